@@ -1,0 +1,97 @@
+"""`shardserve` command line. Errors a user can fix print one line and exit 2, no traceback."""
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="HF folder, .gguf file, or 'smollm2' (embedded)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                        help="fraction of free memory for the KV cache when --kv-cache-memory is not set "
+                             "(default 0.85 on GPU, 0.1 on CPU)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed,
+        kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from shardserve.engine.engine import LLMEngine
+    from shardserve.llm import engine_config_from_kwargs
+    from shardserve.request import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(engine_config_from_kwargs(args.model, **engine_kwargs(args)))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    engine.add_request(uuid.uuid4().hex, prompt, params)
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.new_text, end="", flush=True)
+    print()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardserve", description="distributed LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from shardserve.config import ConfigError
+    from shardserve.request import InvalidRequestError
+
+    try:
+        return args.func(args)
+    except (ConfigError, InvalidRequestError) as exc:
+        print(f"shardserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

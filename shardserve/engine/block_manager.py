@@ -1,0 +1,142 @@
+"""Paged KV-cache blocks with automatic prefix caching.
+
+Each request owns a list of block ids (its block table). A *full* block is named by a chained
+hash of (parent block's hash, the block's token ids), so equal prefixes give equal hash chains:
+
+    tokens:  [t0 .. t15][t16 .. t31][t32 .. t37]      block_size = 16
+    hashes:  h0 = H(None, t0..15)   h1 = H(h0, t16..31)   (last block not full: no hash)
+
+A freed block keeps its hash and stays findable until it is reused: free blocks sit in an LRU
+queue (front = evicted first), and a prefix hit on a free block takes it back out of the queue.
+Reference counts let many requests share one cached block.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from shardserve.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # kept with the hash so a hash collision can never alias
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, req: Request) -> list[int]:
+        """Block ids caching the longest prefix of `req`'s tokens. Leaves at least one token to
+        compute, since the step that computes the last token is the one that yields logits."""
+        if not self.enable_prefix_caching:
+            return []
+        self._extend_hashes(req)
+        hits: list[int] = []
+        token_ids = req.all_token_ids
+        for i, h in enumerate(req.block_hashes):
+            block_id = self.cached.get(h)
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        if hits and len(hits) * self.block_size >= req.num_tokens:
+            hits.pop()  # a full hit: recompute the last block rather than write into a shared one
+        self.num_prefix_queries += req.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def can_allocate(self, req: Request, num_new_tokens: int, prefix_hits: list[int] = ()) -> bool:
+        num_tokens = req.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens
+        needed = self.blocks_needed(num_tokens) - len(req.block_ids) - len(prefix_hits)
+        reclaimed = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)  # hits sitting in the free queue
+        return needed <= len(self.free) - reclaimed
+
+    def allocate(self, req: Request, num_new_tokens: int, prefix_hits: list[int] = ()) -> None:
+        """Grow `req`'s block table to hold `num_new_tokens` more tokens, taking `prefix_hits`
+        first (their tokens count as computed). Call `can_allocate` first."""
+        for block_id in prefix_hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            req.block_ids.append(block_id)
+        req.num_computed_tokens += len(prefix_hits) * self.block_size
+        needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        for _ in range(needed):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict the least recently freed cached block
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            req.block_ids.append(block_id)
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Publish the hashes of `req`'s blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        self._extend_hashes(req)
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(req.block_ids))
+        token_ids = None
+        for i in range(req.num_published_blocks, num_full):
+            block = self.blocks[req.block_ids[i]]
+            if block.hash is None:
+                token_ids = token_ids or req.all_token_ids
+                block.hash = req.block_hashes[i]
+                block.token_ids = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+                self.cached.setdefault(block.hash, block.block_id)
+        req.num_published_blocks = max(req.num_published_blocks, num_full)
+
+    def free_request(self, req: Request) -> None:
+        """Drop `req`'s references. Tail blocks are queued first, so they are evicted before
+        the prefix blocks that other requests are more likely to share."""
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:  # holds nothing reusable: hand it out first
+                    self.free.move_to_end(block_id, last=False)
+        req.block_ids = []
+        req.num_published_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self.free:
+            self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
+
+    def _extend_hashes(self, req: Request) -> None:
+        bs = self.block_size
+        num_full = req.num_tokens // bs
+        for i in range(len(req.block_hashes), num_full):
+            parent = req.block_hashes[i - 1] if i else None
+            tokens = tuple(req.token_at(j) for j in range(i * bs, (i + 1) * bs))
+            req.block_hashes.append(hash((parent, tokens)))

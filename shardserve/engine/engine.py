@@ -1,0 +1,121 @@
+"""LLMEngine: add_request / step / abort. One step = schedule -> run the model -> update the
+scheduler -> detokenize and check stop strings -> RequestOutputs.
+
+    engine = LLMEngine(EngineConfig(model="smollm2"))
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): print(out.new_text, end="")
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from shardserve.config import EngineConfig
+from shardserve.engine.block_manager import BlockManager
+from shardserve.engine.detokenizer import IncrementalDetokenizer
+from shardserve.engine.model_loader import LoadedModel, load_model
+from shardserve.engine.model_runner import ModelRunner
+from shardserve.engine.scheduler import Scheduler
+from shardserve.request import (
+    CompletionOutput, FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, TokenLogprob,
+)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.loaded = loaded or load_model(config)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_config = self.loaded.model_config
+        self.max_model_len = self.loaded.max_model_len
+        self.eos_token_ids = self.loaded.eos_token_ids
+        kv = self.loaded.kv_cache
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.loaded.model, self.model_config, kv, self.eos_token_ids, self.loaded.device)
+        self._seeds = random.Random(config.seed)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._first_token_times: dict[str, float] = {}
+        self._prompts: dict[str, str | None] = {}
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Queue a request. Raises InvalidRequestError for an empty prompt, a prompt that does not
+        fit the context window, or token ids outside the vocabulary."""
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        req = Request(
+            req_id=req_id, prompt_token_ids=token_ids, params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            eos_token_ids=self.eos_token_ids, priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        self.scheduler.add_request(req)
+        self._detokenizers[req_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        self._prompts[req_id] = prompt if isinstance(prompt, str) else None
+        if params.logprobs is not None:
+            self._logprobs[req_id] = []
+        return req
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens but the context window is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)", "prompt")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+
+    def abort_request(self, req_id: str) -> RequestOutput | None:
+        req = self.scheduler.finish_request(req_id, FinishReason.ABORT)
+        return self._output(req, "", []) if req else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        updated = self.scheduler.update(sched, result)
+        now = time.monotonic()
+        outputs = []
+        for req in updated:
+            token_id = req.output_token_ids[-1]
+            self._first_token_times.setdefault(req.req_id, now)
+            sampled = result.sampled[req.req_id]
+            if req.req_id in self._logprobs:
+                self._logprobs[req.req_id].append(TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs))
+            stop = self._detokenizers[req.req_id].push(token_id)
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish_request(req.req_id, FinishReason.STOP, stop)
+            outputs.append(self._output(req, self._detokenizers[req.req_id].take_new_text(req.is_finished), [token_id]))
+        return outputs
+
+    def _output(self, req: Request, new_text: str, new_token_ids: list[int]) -> RequestOutput:
+        detok = self._detokenizers[req.req_id]
+        finished = req.is_finished
+        completion = CompletionOutput(
+            index=0, text=detok.text if finished else detok.text[: detok.num_emitted_chars],
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason.value if finished else None, stop_reason=req.stop_reason,
+            logprobs=self._logprobs.get(req.req_id),
+        )
+        out = RequestOutput(
+            req_id=req.req_id, prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
+            new_text=new_text, new_token_ids=new_token_ids, num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time, first_token_time=self._first_token_times.get(req.req_id),
+            prompt=self._prompts.get(req.req_id),
+        )
+        if finished:
+            for table in (self._detokenizers, self._logprobs, self._first_token_times, self._prompts):
+                table.pop(req.req_id, None)
+        return out

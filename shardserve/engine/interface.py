@@ -1,0 +1,59 @@
+"""Plain data crossing the scheduler / model-runner boundary (and, later, process boundaries).
+
+The runner keeps its own copy of each request's token ids: a request's token ids and sampling
+parameters travel once, in `NewRequestData`, when it is first scheduled (or rescheduled after a
+preemption); afterwards each step only says how many tokens of it to compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardserve.request import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt plus any tokens generated before a preemption
+    params: SamplingParams
+    seed: int
+    num_prompt_tokens: int  # penalties treat prompt and output tokens differently
+
+
+@dataclass
+class ScheduledSeq:
+    """Compute tokens `[start_pos, start_pos + num_tokens)` of a request this step."""
+
+    req_id: str
+    start_pos: int
+    num_tokens: int
+    block_ids: list[int]  # the whole block table
+    sample: bool  # the chunk reaches the request's last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # the runner may drop their state
+    num_preemptions: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)  # req_id -> token

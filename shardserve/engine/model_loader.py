@@ -1,0 +1,63 @@
+"""Builds everything the engine runs on from an EngineConfig: checkpoint, tokenizer, model with
+its weights, and the KV-cache pool sized from the memory budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.config import ConfigError, EngineConfig, ModelConfig
+from shardserve.engine.kv_cache import KVCache, block_bytes, kv_budget_bytes
+from shardserve.models.checkpoint import load_checkpoint
+from shardserve.models.registry import model_class
+from shardserve.models.tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    kv_cache: KVCache
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    if name == "float16" and device.type == "cpu":
+        raise ConfigError("float16 is GPU-only; use bfloat16 or float32 on CPU")
+    return DTYPES[name]
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    checkpoint = load_checkpoint(config.model)
+    model_config = checkpoint.config
+    tokenizer = load_tokenizer(checkpoint)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    with torch.device(device):
+        model = model_class(model_config.architecture)(model_config, dtype, max_model_len)
+    model.load_weights(checkpoint.iter_tensors(show_progress=config.show_progress))
+    model.eval()
+    kv_cache = _allocate_kv_cache(config, model_config, max_model_len, dtype, device)
+    eos = tuple(dict.fromkeys(model_config.eos_token_ids + tokenizer.eos_token_ids))
+    return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype)
+
+
+def _allocate_kv_cache(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                       dtype: torch.dtype, device: torch.device) -> KVCache:
+    block_size = config.cache.block_size
+    num_blocks = kv_budget_bytes(config.cache, device) // block_bytes(model_config, block_size, dtype)
+    if num_blocks * block_size < max_model_len:
+        need = -(-max_model_len // block_size) * block_bytes(model_config, block_size, dtype)
+        raise ConfigError(
+            f"the KV cache holds {num_blocks * block_size} tokens, less than one full context of "
+            f"{max_model_len}; give it at least {need} bytes (--kv-cache-memory) or lower --max-model-len")
+    return KVCache.allocate(model_config, num_blocks, block_size, dtype, device)

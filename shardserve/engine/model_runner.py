@@ -1,0 +1,107 @@
+"""Runs one engine step on the model: turns a SchedulerOutput into packed tensors, runs the
+forward pass over the paged KV cache, and samples the next token of each finished chunk."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.config import ModelConfig
+from shardserve.engine.interface import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from shardserve.engine.kv_cache import KVCache
+from shardserve.engine.sampler import SamplingState, sample
+from shardserve.layers.attention import AttentionMetadata, PrefillChunk, gather_ids
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] row of each sampling sequence's last token
+    sample_req_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
+                 eos_token_ids: tuple[int, ...], device: torch.device):
+        self.model = model
+        self.model_config = model_config
+        self.kv_cache = kv_cache
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.states: dict[str, SamplingState] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in sched.new_requests:
+            self.states[new.req_id] = SamplingState(
+                new.params, new.seed, list(new.token_ids), new.num_prompt_tokens, self.eos_token_ids
+            )
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        inputs = self.prepare_inputs(sched.seqs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+        if not inputs.sample_req_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, vocab] float32
+        states = [self.states[r] for r in inputs.sample_req_ids]
+        sampled = sample(logits.cpu(), states)
+        for state, token in zip(states, sampled):
+            state.token_ids.append(token.token_id)
+        return ModelRunnerOutput(dict(zip(inputs.sample_req_ids, sampled)))
+
+    def prepare_inputs(self, seqs: list[ScheduledSeq]) -> StepInputs:
+        """Pack decodes first (one token each, attended as one batch), then prefill chunks."""
+        decodes = [s for s in seqs if s.num_tokens == 1]
+        prefills = [s for s in seqs if s.num_tokens > 1]
+        block_size = self.kv_cache.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_indices: list[int] = []
+        sample_req_ids: list[str] = []
+        for seq in decodes + prefills:
+            tokens = self.states[seq.req_id].token_ids
+            for pos in range(seq.start_pos, seq.start_pos + seq.num_tokens):
+                slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+            positions.extend(range(seq.start_pos, seq.start_pos + seq.num_tokens))
+            input_ids.extend(tokens[seq.start_pos : seq.start_pos + seq.num_tokens])
+            if seq.sample:
+                sample_indices.append(len(input_ids) - 1)
+                sample_req_ids.append(seq.req_id)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decodes=len(decodes))
+        if decodes:
+            meta.decode_gather_ids, meta.decode_bias = self._decode_tables(decodes)
+        token_start = len(decodes)
+        for seq in prefills:
+            context_len = seq.start_pos + seq.num_tokens
+            rows = None
+            if seq.start_pos > 0:
+                rows = self._gather_ids(seq.block_ids[: -(-context_len // block_size)])
+            meta.prefills.append(PrefillChunk(token_start, token_start + seq.num_tokens, context_len, rows))
+            token_start += seq.num_tokens
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
+                          self._tensor(sample_indices), sample_req_ids)
+
+    def _decode_tables(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows of the padded block tables [KV * B * max_blocks] and the additive mask
+        [KV * B, 1, max_blocks * bs] that hides the padding."""
+        block_size = self.kv_cache.block_size
+        context_lens = [s.start_pos + 1 for s in decodes]
+        max_blocks = -(-max(context_lens) // block_size)
+        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
+        lens = torch.tensor(context_lens).unsqueeze(1)  # [B, 1]
+        visible = torch.arange(max_blocks * block_size).unsqueeze(0) < lens  # [B, L]
+        bias = torch.zeros(visible.shape, dtype=self.kv_cache.dtype).masked_fill_(~visible, float("-inf"))
+        bias = bias.unsqueeze(1).repeat(self.model_config.num_kv_heads, 1, 1)  # [KV * B, 1, L]
+        return self._gather_ids(table), bias.to(self.device)
+
+    def _gather_ids(self, block_ids: list) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long).view(-1)
+        return gather_ids(ids, self.model_config.num_kv_heads, self.kv_cache.num_blocks).to(self.device)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

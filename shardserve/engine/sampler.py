@@ -1,0 +1,127 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+A draw is a pure function of (seed, position, logits): we pick `argmax(probs / E)` with
+`E ~ Exponential(1)` drawn from a generator seeded by (seed, position). That is an exact sample
+from `probs` (the exponential-race form of the Gumbel-max trick) and does not depend on which
+other requests share the batch, how many steps came before, or on which replica it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.engine.interface import SampledToken
+from shardserve.request import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive (seed, position) pairs apart
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one request, kept by the model runner."""
+
+    params: SamplingParams
+    seed: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def draw_seed(seed: int, position: int) -> int:
+    return ((seed * _MIX) ^ (position * 0xBF58476D1CE4E5B9) ^ position) % (2**63 - 1)
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledToken]:
+    """logits: [N, vocab] float32, row i for states[i]; each state's next token goes at
+    position len(state.token_ids). Returns one SampledToken per row."""
+    raw_logits = logits
+    if any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in states):
+        logits = logits.clone()
+        for row, state in enumerate(states):
+            _apply_penalties(logits[row], state)
+            _mask_early_stop(logits[row], state)
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
+    if random_rows:
+        index = torch.tensor(random_rows)
+        probs = _probabilities(logits[index], [states[i].params for i in random_rows])
+        for j, row in enumerate(random_rows):
+            gen = torch.Generator().manual_seed(draw_seed(states[row].seed, len(states[row].token_ids)))
+            noise = torch.empty_like(probs[j]).exponential_(generator=gen)
+            token_ids[row] = (probs[j] / noise).argmax()
+    tokens = [SampledToken(int(t)) for t in token_ids.tolist()]
+    logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if logprob_rows:
+        _attach_logprobs(raw_logits, tokens, states, logprob_rows)
+    return tokens
+
+
+def _apply_penalties(logits: torch.Tensor, state: SamplingState) -> None:
+    params = state.params
+    if params.repetition_penalty != 1:  # HF / CTRL style, over prompt and output tokens
+        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and state.num_output_tokens:
+        counts = _output_counts(state)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        freq = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
+
+
+def _output_counts(state: SamplingState) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for t in state.token_ids[state.num_prompt_tokens :]:
+        counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
+def _mask_early_stop(logits: torch.Tensor, state: SamplingState) -> None:
+    """Below min_tokens, EOS and stop tokens cannot be sampled."""
+    if state.num_output_tokens >= state.params.min_tokens:
+        return
+    banned = set(state.params.stop_token_ids)
+    if not state.params.ignore_eos:
+        banned |= set(state.eos_token_ids)
+    if banned:
+        logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+
+
+def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[R, vocab] logits -> probabilities after temperature, top-k, top-p and min-p."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temperature
+    top_k = [p.top_k for p in params]
+    if any(k > 0 for k in top_k):
+        vocab = logits.shape[-1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    if (top_p < 1).any():
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep a token if the mass strictly before it is below top_p (the top token always stays)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _attach_logprobs(logits, tokens: list[SampledToken], states, rows: list[int]) -> None:
+    index = torch.tensor(rows)
+    logprobs = torch.log_softmax(logits[index], dim=-1)
+    max_top = max(states[i].params.logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(max(max_top, 1), dim=-1)
+    for j, row in enumerate(rows):
+        n = states[row].params.logprobs
+        tokens[row].logprob = float(logprobs[j, tokens[row].token_id])
+        tokens[row].top_logprobs = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))

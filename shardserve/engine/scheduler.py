@@ -1,0 +1,177 @@
+"""Continuous batching under a token budget, with chunked prefill, prefix caching, priorities and
+preemption by recompute. Pure Python: imports no torch.
+
+Each step::
+
+    budget = max_num_batched_tokens
+    1. running requests, best priority first: each gets its next chunk (1 token when decoding);
+       when blocks run out, preempt the worst-priority running request (free its blocks, send it
+       back to waiting, recompute later) until the chunk fits
+    2. if nothing was preempted: admit waiting requests, best first, while budget, blocks and
+       max_num_seqs allow; a waiting request starts from its longest cached prefix
+
+A request's chunk is `min(remaining tokens, budget left, max_prefill_chunk_tokens)`, so long
+prompts are split over several steps and mixed with other requests' decodes.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+
+from shardserve.config import SchedulerConfig
+from shardserve.engine.block_manager import BlockManager
+from shardserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
+from shardserve.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # --- requests in and out -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        req.arrival_seq = next(self._arrivals)
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def finish_request(self, req_id: str, reason: FinishReason, stop_reason=None) -> Request | None:
+        """End a request (abort, or a stop string seen by the detokenizer) and free its blocks."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+        self._finish(req, reason, stop_reason)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = self._chunk_size(req, budget)
+            while not self.block_manager.can_allocate(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preemptions += 1
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            self.block_manager.allocate(req, num_new)
+            out.seqs.append(self._scheduled(req, num_new))
+            budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.block_manager.find_prefix(req) if req.num_computed_tokens == 0 else []
+            num_new = self._chunk_size(req, budget, num_skipped=len(hits) * self.block_manager.block_size)
+            if not self.block_manager.can_allocate(req, num_new, hits):
+                break
+            self.waiting.pop(0)
+            self.block_manager.allocate(req, num_new, hits)
+            if req.num_preemptions == 0 and not req.output_token_ids:
+                req.num_cached_tokens = len(hits) * self.block_manager.block_size
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.sort_key)
+            out.new_requests.append(
+                NewRequestData(req.req_id, req.all_token_ids, req.params, req.seed, len(req.prompt_token_ids))
+            )
+            out.seqs.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _chunk_size(self, req: Request, budget: int, num_skipped: int = 0) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens - num_skipped
+        limit = self.config.max_prefill_chunk_tokens or remaining
+        return max(1, min(remaining, budget, limit))
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(req.req_id, start, num_new, list(req.block_ids), start + num_new == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, wait again."""
+        self.running.remove(req)
+        self.block_manager.free_request(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self._finished_since_last_step.append(req.req_id)  # the runner drops its stale state
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    # --- after the model ran -------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens and finish requests that hit a stop
+        condition. Returns the requests that got a new token this step."""
+        updated = []
+        for seq in sched.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = seq.start_pos + seq.num_tokens
+            sampled = result.sampled.get(seq.req_id)
+            if sampled is not None:
+                req.output_token_ids.append(sampled.token_id)
+                updated.append(req)
+                self._check_stop(req, sampled.token_id)
+            if not req.is_finished:
+                self.block_manager.cache_full_blocks(req)
+        return updated
+
+    def _check_stop(self, req: Request, token_id: int) -> None:
+        params = req.params
+        num_output = len(req.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return self._finish_running(req, FinishReason.STOP, None)
+            if token_id in params.stop_token_ids:
+                return self._finish_running(req, FinishReason.STOP, token_id)
+        if num_output >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish_running(req, FinishReason.LENGTH, None)
+
+    def _finish_running(self, req: Request, reason: FinishReason, stop_reason) -> None:
+        self.running.remove(req)
+        del self.requests[req.req_id]
+        self._finish(req, reason, stop_reason)
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason) -> None:
+        if req.status == RequestStatus.RUNNING:  # keep its computed blocks findable
+            self.block_manager.cache_full_blocks(req)
+        self.block_manager.free_request(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self._finished_since_last_step.append(req.req_id)

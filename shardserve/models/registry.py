@@ -1,0 +1,17 @@
+"""Model family name -> implementation class."""
+from __future__ import annotations
+
+from shardserve.models.dense import DecoderModel
+
+MODEL_CLASSES = {
+    "llama": DecoderModel,
+    "mistral": DecoderModel,
+    "qwen2": DecoderModel,
+}
+
+
+def model_class(architecture: str):
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"no implementation for architecture {architecture!r}; have: {', '.join(MODEL_CLASSES)}") from None

@@ -1,0 +1,168 @@
+"""What a user asks for (SamplingParams), the engine's record of it (Request) and what it gets
+back (RequestOutput). Plain Python: the scheduler imports this, so no torch here."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve as asked; the message names the parameter.
+    `param` is the offending field (the server reports it in the OpenAI error shape)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults follow vLLM's.
+
+    Sampling with a `seed` is a pure function of (seed, position, logits): the same request
+    re-run from its prompt plus its first k tokens reproduces tokens k+1.. exactly.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # return the sampled token's logprob and this many top ones
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        # Accept lists from callers; keep the dataclass hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self.validate()
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.min_tokens <= self.max_tokens, "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, "top_k", f"top_k must be -1 (disabled) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(s for s in self.stop), "stop", "stop strings must not be empty"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """The scheduler's record of one request. Token ids grow as tokens are sampled;
+    `num_computed_tokens` counts those whose KV is in the cache."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or one drawn by the engine so every request samples reproducibly
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs first; ties go first-come first-served
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of this request's full blocks, in order
+    num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: cumulative text and tokens, plus what is new since the
+    previous output (`new_text`, `new_token_ids`) for streaming."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    prompt: str | None = None

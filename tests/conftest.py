@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random checkpoints written by transformers itself, with a small real
+byte-level BPE tokenizer trained here, so nothing is downloaded."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TRAINING_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "def main():\n    return 42\n# numbers 0123456789 and symbols !?.,;:()[]{}\n"
+    "Large language models are served on many accelerators with tensor and pipeline parallelism. "
+) * 20
+
+TINY_SHAPES = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0),
+    "mistral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=1, max_position_embeddings=512, sliding_window=None),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=1000000.0),
+    "llama3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, max_position_embeddings=512, rope_theta=500000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                   tie_word_embeddings=True),
+}
+
+
+def write_tokenizer(folder: Path, vocab_size: int = 384) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TRAINING_TEXT], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}",
+    }))
+
+
+def write_tiny_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
+    import transformers
+
+    shape = dict(TINY_SHAPES[family])
+    cls_name, cfg_name = {
+        "llama": ("LlamaForCausalLM", "LlamaConfig"), "llama3": ("LlamaForCausalLM", "LlamaConfig"),
+        "mistral": ("MistralForCausalLM", "MistralConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    }[family]
+    config = getattr(transformers, cfg_name)(vocab_size=384, bos_token_id=0, eos_token_id=1, **shape)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config)
+    with torch.no_grad():  # larger weights than the init default, so logits are far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: write_tiny_checkpoint(root / family, family) for family in TINY_SHAPES}
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from shardserve.models.checkpoint import resolve_model_path
+
+    return resolve_model_path("smollm2")

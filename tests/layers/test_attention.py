@@ -1,0 +1,51 @@
+"""Paged attention against a dense causal reference, for decode batches and chunked prefill."""
+import torch
+import torch.nn.functional as F
+
+from shardserve.layers.attention import AttentionMetadata, PrefillChunk, gather_ids, paged_attention
+
+
+def reference(q, k, v, scale):
+    # q: [T, H, D], k/v: [T, KV, D], causal over the whole sequence
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale)
+    return out.transpose(0, 1)
+
+
+def test_decode_and_chunked_prefill_match_dense_attention():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size, num_blocks = 4, 2, 16, 4, 32
+    cache = torch.zeros(2, kv_heads, num_blocks, block_size, dim)
+    lengths = [7, 13]
+    seqs = [(torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)) for n in lengths]
+    tables = [[5, 2, 9, 30], [1, 3, 4, 11]]
+    scale = dim**-0.5
+
+    def slots(table, positions):
+        return torch.tensor([table[p // block_size] * block_size + p % block_size for p in positions])
+
+    # step 1: seq 0 prefills tokens 0..5 whole; seq 1 prefills 0..7
+    meta = AttentionMetadata(slot_mapping=torch.cat([slots(tables[0], range(6)), slots(tables[1], range(8))]))
+    meta.prefills = [PrefillChunk(0, 6, 6, None), PrefillChunk(6, 14, 8, None)]
+    q = torch.cat([seqs[0][0][:6], seqs[1][0][:8]])
+    k = torch.cat([seqs[0][1][:6], seqs[1][1][:8]])
+    v = torch.cat([seqs[0][2][:6], seqs[1][2][:8]])
+    out = paged_attention(q, k, v, cache[0], cache[1], meta, scale)
+    torch.testing.assert_close(out[:6], reference(*[t[:6] for t in seqs[0]], scale))
+    torch.testing.assert_close(out[6:], reference(*[t[:8] for t in seqs[1]], scale))
+
+    # step 2: seq 0 decodes token 6 (batched decode path); seq 1 prefills chunk 8..12 over cached context
+    meta = AttentionMetadata(slot_mapping=torch.cat([slots(tables[0], [6]), slots(tables[1], range(8, 13))]))
+    meta.num_decodes = 1
+    max_blocks = 2
+    meta.decode_gather_ids = gather_ids(torch.tensor(tables[0][:max_blocks]), kv_heads, num_blocks)
+    visible = torch.arange(max_blocks * block_size) < 7
+    meta.decode_bias = torch.zeros(max_blocks * block_size).masked_fill(~visible, float("-inf")).view(1, 1, -1).repeat(kv_heads, 1, 1)
+    meta.prefills = [PrefillChunk(1, 6, 13, gather_ids(torch.tensor(tables[1]), kv_heads, num_blocks))]
+    q = torch.cat([seqs[0][0][6:7], seqs[1][0][8:13]])
+    k = torch.cat([seqs[0][1][6:7], seqs[1][1][8:13]])
+    v = torch.cat([seqs[0][2][6:7], seqs[1][2][8:13]])
+    out = paged_attention(q, k, v, cache[0], cache[1], meta, scale)
+    torch.testing.assert_close(out[:1], reference(*seqs[0], scale)[6:7])
+    torch.testing.assert_close(out[1:], reference(*seqs[1], scale)[8:13])
