@@ -48,6 +48,8 @@ class LLMEngine:
         """Queue a request. Raises InvalidRequestError for an empty prompt, a prompt that does not
         fit the context window, or token ids outside the vocabulary."""
         params = params or SamplingParams()
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequestError("prompt is empty", "prompt")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
         req = Request(

@@ -1,0 +1,67 @@
+from shardserve.engine.block_manager import BlockManager
+from shardserve.request import Request, SamplingParams
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, list(tokens), SamplingParams(), seed=0)
+
+
+def test_allocate_and_free_counts_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    r = req("a", range(10))
+    assert bm.can_allocate(r, 10)
+    bm.allocate(r, 10)
+    assert len(r.block_ids) == 3 and bm.num_free_blocks == 5
+    r.num_computed_tokens = 10
+    bm.allocate(r, 2)  # tokens 10, 11 still fit block 3
+    assert len(r.block_ids) == 3
+    r.num_computed_tokens = 12
+    bm.allocate(r, 1)
+    assert len(r.block_ids) == 4
+    bm.free_request(r)
+    assert bm.num_free_blocks == 8 and r.block_ids == []
+
+
+def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = req("a", range(12))
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12
+    bm.cache_full_blocks(a)
+    b = req("b", list(range(10)) + [99, 98])
+    hits = bm.find_prefix(b)
+    assert hits == a.block_ids[:2]  # the third block differs in its last two tokens
+    bm.allocate(b, 4, hits)
+    assert b.num_computed_tokens == 8 and bm.blocks[hits[0]].ref_count == 2
+    c = req("c", range(12))  # identical prompt: the last block is recomputed, not shared
+    assert bm.find_prefix(c) == a.block_ids[:2]
+    assert bm.num_prefix_hits == 16 and bm.num_prefix_queries == 24
+
+
+def test_freed_cached_blocks_stay_findable_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = req("a", [1, 2, 3, 4, 5])
+    bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.cache_full_blocks(a)
+    bm.free_request(a)
+    assert bm.num_free_blocks == 4 and bm.usage == 0.0
+    again = req("a2", [1, 2, 3, 4, 5])
+    assert len(bm.find_prefix(again)) == 2
+    filler = req("f", [7, 8])  # takes the uncached block first, so cached ones survive
+    bm.allocate(filler, 2)
+    assert len(bm.find_prefix(req("a3", [1, 2, 3, 4, 5]))) == 2
+    big = req("g", range(100, 106))
+    bm.allocate(big, 6)  # now the cached blocks must be evicted, tail block first
+    assert bm.find_prefix(req("a4", [1, 2, 3, 4, 5])) == []
+
+
+def test_hash_collision_cannot_alias_different_tokens():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = req("a", [1, 2, 3])
+    bm.allocate(a, 3)
+    a.num_computed_tokens = 3
+    bm.cache_full_blocks(a)
+    b = req("b", [5, 6, 7])
+    b.block_hashes = list(a.block_hashes)  # forge a colliding hash
+    assert bm.find_prefix(b) == []

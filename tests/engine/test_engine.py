@@ -1,0 +1,65 @@
+"""LLMEngine / LLM public behaviour on the embedded model."""
+import pytest
+
+from shardserve import SamplingParams
+from shardserve.llm import LLM
+from shardserve.request import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, show_progress=False)
+
+
+def test_seeded_request_resumes_exactly_from_its_first_k_tokens(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    prompt = llm.tokenizer.encode("Write a short poem about the sea:")
+    full = llm.generate([prompt], params)[0].outputs[0].token_ids
+    k = 7
+    resumed = llm.generate([prompt + full[:k]], SamplingParams(**{**params.__dict__, "max_tokens": 20 - k}))
+    assert resumed[0].outputs[0].token_ids == full[k:]
+
+
+def test_step_streams_deltas_that_add_up_to_the_text(llm):
+    engine = llm.engine
+    engine.add_request("s", "Tell me about Paris.", SamplingParams(temperature=0, max_tokens=20))
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            final = out
+    assert final.finished and "".join(pieces) == final.outputs[0].text
+    assert final.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("x", "Hello there", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    out = engine.abort_request("x")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.block_manager.usage == 0 and not engine.has_unfinished_requests()
+
+
+def test_stop_string_and_stop_reason(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20, stop=["\n"]))[0]
+    assert out.outputs[0].text == " Paris." and out.outputs[0].stop_reason == "\n"
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16))[0]
+    assert "Paris" in out.outputs[0].text
+
+
+def test_logprobs_returned_per_token(llm):
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0].outputs[0]
+    assert len(out.logprobs) == 3
+    assert all(lp.top[0][0] == lp.token_id and lp.logprob <= 0 for lp in out.logprobs)
+
+
+@pytest.mark.parametrize("prompt, message", [("", "empty"), ([], "empty"), ([1] * 300, "context window"),
+                                             ([10**6], "token ids")])
+def test_bad_prompts_are_rejected(llm, prompt, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate(prompt if prompt == "" else [prompt], SamplingParams())

@@ -1,0 +1,50 @@
+"""The embedded SmolLM2 GGUF, loaded by us and by transformers' own GGUF loader."""
+import pytest
+import torch
+import transformers
+
+from shardserve import SamplingParams
+from shardserve.llm import LLM
+from tests.engine_helpers import engine_logits, hf_greedy, relative_error
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Q: What is the boiling point of water?\nA:",
+    "Large language models",
+    "The three primary colors are red,",
+    "import torch\nimport numpy as np\n\n# Load the data and train a small model on it. First we",
+]
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2_path):
+    ours = LLM("smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, show_progress=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+    return ours, ref
+
+
+def test_logits_match_transformers_gguf(pair):
+    ours, ref = pair
+    for text in TEXTS[:3]:
+        ids = ours.tokenizer.encode(text)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0].float()
+        assert relative_error(engine_logits(ours.engine, ids, 10**6), expected) <= 1e-3
+
+
+def test_greedy_generation_matches_transformers_gguf(pair):
+    ours, ref = pair
+    batch = [ours.tokenizer.encode(t) for t in TEXTS]
+    outs = ours.generate(batch, SamplingParams(temperature=0, max_tokens=10, min_tokens=10))
+    for ids, out in zip(batch, outs):
+        assert out.outputs[0].token_ids == hf_greedy(ref, ids, 10)
+
+
+def test_capital_of_france(pair):
+    ours, _ = pair
+    out = ours.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.outputs[0].text.startswith(" Paris")
