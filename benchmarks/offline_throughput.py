@@ -22,6 +22,13 @@ Method
     the whole workload (each request costs the same there). `mixed` uses the best uniform batch
     size, with requests batched in arrival order. Every batch size gets a 4-token warm-up
     generate before its timed run.
+    Decode efficiency: B requests with 128-token prompts are stepped until all are prefilled,
+    3 steps warm up, then ~10 steps of exactly B decode tokens are timed (median step time).
+    Bound = max(FLOPs / matmul FLOP/s, bytes / copy bandwidth) with FLOPs = 2 * B * linear
+    params (lm_head included) + 4 * B * C * layers * heads * head_dim and bytes = weights +
+    B * C * KV bytes per token, C the mean context of the timed steps; matmul FLOP/s is a
+    2048^3 torch.mm in the run's dtype, bandwidth a float32 1 GiB copy (read + write), both
+    medians. Efficiency = bound / measured step; the target is >= 50% at batch 32.
     Each system runs in its own child process ("spawn" start method, results through a queue)
     so that `ru_maxrss` is that system's own peak RSS; the parent imports neither torch nor
     shardserve, because a spawned child inherits the parent's RSS high-water mark at fork time.
@@ -204,7 +211,8 @@ def shardserve_workload(llm, workload: Workload) -> dict:
     wall_s = time.perf_counter() - start_s
     got = [len(out.outputs[0].token_ids) for out in outputs]
     if got != workload.output_lens:
-        raise RuntimeError(f"{workload.name}: shardserve produced {sum(got)} tokens, expected {workload.total_output_tokens}")
+        raise RuntimeError(f"{workload.name}: shardserve produced {sum(got)} tokens, "
+                           f"expected {workload.total_output_tokens}")
     return {
         "num_requests": len(outputs), "output_tokens": sum(got), "wall_s": wall_s, "tok_s": sum(got) / wall_s,
         "first_tokens": [out.outputs[0].token_ids[:COMPARED_TOKENS] for out in outputs],
@@ -212,7 +220,7 @@ def shardserve_workload(llm, workload: Workload) -> dict:
 
 
 def decode_step_time(engine, batch_size: int, settings: Settings) -> dict:
-    """Mean wall time of an engine step made of exactly `batch_size` decode tokens."""
+    """Median wall time of an engine step made of exactly `batch_size` decode tokens."""
     from shardserve.request import SamplingParams
 
     rng = random.Random(1000 + batch_size)
@@ -233,9 +241,11 @@ def decode_step_time(engine, batch_size: int, settings: Settings) -> dict:
     preemptions_before = engine.scheduler.num_preemptions
     # A decode at position p attends p + 1 tokens, i.e. the request's num_tokens at step start.
     context_start_tok = statistics.fmean(r.num_tokens for r in reqs)
-    start_s = time.perf_counter()
-    step_sizes = [len(engine.step()) for _ in range(settings.decode_timed_steps)]
-    step_s = (time.perf_counter() - start_s) / settings.decode_timed_steps
+    step_sizes, step_times_s = [], []
+    for _ in range(settings.decode_timed_steps):
+        start_s = time.perf_counter()
+        step_sizes.append(len(engine.step()))
+        step_times_s.append(time.perf_counter() - start_s)
     pure_decode = (step_sizes == [batch_size] * len(step_sizes) and engine.scheduler.num_waiting == 0
                    and engine.scheduler.num_preemptions == preemptions_before)
     for r in reqs:
@@ -243,7 +253,9 @@ def decode_step_time(engine, batch_size: int, settings: Settings) -> dict:
     if not pure_decode:
         raise RuntimeError(f"decode probe at batch {batch_size} was not pure decode: step sizes {step_sizes}")
     avg_context_tok = context_start_tok + (settings.decode_timed_steps - 1) / 2
-    return {"batch_size": batch_size, "step_s": step_s, "avg_context_tok": avg_context_tok}
+    # The median, not the mean: on a shared CPU one preempted step can cost 10x a normal one.
+    return {"batch_size": batch_size, "step_s": statistics.median(step_times_s),
+            "mean_step_s": statistics.fmean(step_times_s), "avg_context_tok": avg_context_tok}
 
 
 def matmul_flop_s(dtype_name: str, n: int, reps: int) -> float:
@@ -301,7 +313,8 @@ def decode_efficiency(engine, dtype: str, settings: Settings) -> dict:
     for batch_size in settings.decode_batch_sizes:
         log(f"shardserve: decode step timing at batch {batch_size}")
         steps[batch_size] = decode_step_time(engine, batch_size, settings)
-    log(f"shardserve: matmul ({settings.matmul_n}^3 {dtype}) and copy bandwidth ({settings.bandwidth_bytes // MIB} MiB)")
+    log(f"shardserve: matmul ({settings.matmul_n}^3 {dtype}) and copy bandwidth "
+        f"({settings.bandwidth_bytes // MIB} MiB)")
     flop_s = matmul_flop_s(dtype, settings.matmul_n, settings.matmul_reps)
     bandwidth_bytes_s = copy_bandwidth_bytes_s(settings.bandwidth_bytes, settings.bandwidth_reps)
     dtype_bytes = torch.finfo(getattr(torch, dtype)).bits // 8
@@ -437,40 +450,54 @@ def summarize(args, settings: Settings, ss: dict, hf: dict | None) -> dict:
     return result
 
 
-def print_report(result: dict, ss: dict, hf: dict | None) -> None:
-    fmt = lambda x, spec=".1f": "-" if x is None else format(x, spec)  # noqa: E731
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_throughput_table(result: dict, ss: dict, hf: dict | None) -> None:
     print(f"\noffline throughput, smollm2, {result['dtype']}{' (quick)' if result['quick'] else ''}")
-    print(f"{'workload':<9} {'requests':>8} {'shardserve tok/s':>17} {'HF tok/s':>9} {'HF batch':>8} {'HF waste':>8} {'ratio':>6}")
+    print(f"{'workload':<9} {'requests':>8} {'shardserve tok/s':>17} {'HF tok/s':>9} {'HF batch':>8} "
+          f"{'HF waste':>8} {'ratio':>6}")
     for name in ("uniform", "mixed"):
         h = hf[name] if hf else None
-        print(f"{name:<9} {ss[name]['num_requests']:>8} {ss[name]['tok_s']:>17.1f} {fmt(h and h['tok_s']):>9} "
-              f"{fmt(h and h['batch_size'], 'd'):>8} {fmt(h and 100 * h['wasted_fraction'], '.0f') + '%':>8} "
-              f"{fmt(result[f'{name}_ratio_vs_hf'], '.2f'):>6}")
+        waste = f"{100 * h['wasted_fraction']:.0f}%" if h else "-"
+        print(f"{name:<9} {ss[name]['num_requests']:>8} {ss[name]['tok_s']:>17.1f} "
+              f"{_fmt(h and h['tok_s']):>9} {_fmt(h and h['batch_size'], 'd'):>8} {waste:>8} "
+              f"{_fmt(result[f'{name}_ratio_vs_hf'], '.2f'):>6}")
     if hf:
         by_bs = ", ".join(f"b{bs}: {r['tok_s']:.1f}" + (f" ({r['num_requests']} req)" if bs == "1" else "")
                           for bs, r in hf["uniform"]["by_batch_size"].items())
         print(f"HF uniform tok/s by batch size: {by_bs}   [HF linear: {hf['hf_linear']}]")
         agree = greedy_agreement(ss["uniform"]["first_tokens"], hf["uniform"]["first_tokens"])
-        print(f"greedy agreement (uniform, {agree['requests']} req): first token {100 * agree['first_token_match']:.0f}%, "
-              f"mean common prefix {agree['mean_common_prefix_tok']:.1f}/{COMPARED_TOKENS} tok")
-    print(f"peak RSS MiB: shardserve uniform {result['shardserve_uniform_peak_rss_mib']:.0f} "
-          f"(whole child {ss['peak_rss_mib']:.0f}), HF uniform {fmt(result['hf_uniform_peak_rss_mib'], '.0f')}")
+        print(f"greedy agreement (uniform, {agree['requests']} req): first token "
+              f"{100 * agree['first_token_match']:.0f}%, mean common prefix "
+              f"{agree['mean_common_prefix_tok']:.1f}/{COMPARED_TOKENS} tok")
+
+
+def print_memory(result: dict, ss: dict) -> None:
     eff = ss["decode_efficiency"]
+    print(f"peak RSS MiB: shardserve uniform {result['shardserve_uniform_peak_rss_mib']:.0f} "
+          f"(whole child {ss['peak_rss_mib']:.0f}), HF uniform {_fmt(result['hf_uniform_peak_rss_mib'], '.0f')}")
     print(f"memory limit: shardserve uniform peak RSS {result['shardserve_uniform_peak_rss_mib']:.0f} MiB vs "
-          f"{result['memory_limit_mib']:.0f} MiB (weights {eff['weights_bytes'] / MIB:.0f} + KV {KV_CACHE_BYTES // MIB} "
-          f"+ {RSS_HEADROOM_BYTES // MIB}): {'under' if result['under_memory_limit'] else 'OVER'}")
-    print_decode_efficiency(eff)
+          f"{result['memory_limit_mib']:.0f} MiB (weights {eff['weights_bytes'] / MIB:.0f} "
+          f"+ KV {KV_CACHE_BYTES // MIB} + {RSS_HEADROOM_BYTES // MIB}): "
+          f"{'under' if result['under_memory_limit'] else 'OVER'}")
 
 
 def print_decode_efficiency(eff: dict) -> None:
-    print(f"machine: matmul {eff['matmul_flop_s'] / 1e9:.1f} GFLOP/s, copy bandwidth {eff['bandwidth_bytes_s'] / 1e9:.1f} GB/s")
+    print(f"machine: matmul {eff['matmul_flop_s'] / 1e9:.1f} GFLOP/s, "
+          f"copy bandwidth {eff['bandwidth_bytes_s'] / 1e9:.1f} GB/s")
     for bs, row in eff["per_batch"].items():
         limiter = "compute" if row["compute_bound_s"] >= row["memory_bound_s"] else "memory"
-        print(f"decode batch {bs:>3}: step {1e3 * row['step_s']:.2f} ms at context {row['avg_context_tok']:.0f}, "
+        print(f"decode batch {bs:>3}: step {1e3 * row['step_s']:.2f} ms (median; mean "
+              f"{1e3 * row['mean_step_s']:.2f}) at context {row['avg_context_tok']:.0f}, "
               f"bound {1e3 * row['bound_s']:.2f} ms ({limiter}), efficiency {100 * row['efficiency']:.0f}%")
     target = eff["per_batch"].get(str(EFFICIENCY_TARGET_BATCH))
-    verdict = ("not measured (--quick)" if target is None else
-               f"{100 * target['efficiency']:.0f}% -> {'met' if target['efficiency'] >= EFFICIENCY_TARGET else 'NOT met'}")
+    if target is None:
+        verdict = "not measured (--quick)"
+    else:
+        met = target["efficiency"] >= EFFICIENCY_TARGET
+        verdict = f"{100 * target['efficiency']:.0f}% -> {'met' if met else 'NOT met'}"
     print(f"target: decode efficiency >= {100 * EFFICIENCY_TARGET:.0f}% at batch {EFFICIENCY_TARGET_BATCH}: {verdict}")
 
 
@@ -510,7 +537,9 @@ def main(argv=None) -> None:
         hf = run_in_child(hf_child, dtype=args.dtype, workloads=workloads, settings=settings)
         log(f"phase hf: done ({time.perf_counter() - start_s:.0f} s)")
     result = summarize(args, settings, ss, hf)
-    print_report(result, ss, hf)
+    print_throughput_table(result, ss, hf)
+    print_memory(result, ss)
+    print_decode_efficiency(ss["decode_efficiency"])
     path = write_results(result, args, settings, ss, hf)
     log(f"wrote {path} ({time.perf_counter() - start_s:.0f} s in all)")
     print("RESULT " + json.dumps(result))

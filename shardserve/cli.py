@@ -67,7 +67,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def cmd_serve(args: argparse.Namespace) -> int:
+    from shardserve.config import ServerConfig
+    from shardserve.llm import engine_config_from_kwargs
+    from shardserve.server.serve import run_server
+
+    model = args.model_pos or args.model
+    server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          max_waiting_requests=args.max_waiting_requests, log_level=args.log_level)
+    run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server)
+    return 0
+
+
+def read_config_file(argv: list[str] | None) -> dict:
+    """Values of `--config FILE.yaml` (keys are flag names, dashes or underscores), or {}."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return {}
+    import yaml
+
+    from shardserve.config import ConfigError
+
+    try:
+        with open(known.config) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {known.config}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {known.config} must hold a mapping of flag names to values")
+    return {str(k).replace("-", "_"): v for k, v in values.items()}
+
+
+def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
+    """The CLI; `serve_defaults` (from a config file) replace the serve flags' defaults, so flags
+    given on the command line still win."""
     parser = argparse.ArgumentParser(prog="shardserve", description="distributed LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
@@ -76,15 +111,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="unscheduled requests beyond this get HTTP 429")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--config", help="YAML file of flag values; command-line flags override it")
+    serve.set_defaults(func=cmd_serve)
+    if serve_defaults:
+        from shardserve.config import ConfigError
+
+        unknown = sorted(set(serve_defaults) - set(vars(serve.parse_args([]))))
+        if unknown:
+            raise ConfigError(f"config file: unknown keys {', '.join(unknown)}")
+        serve.set_defaults(**serve_defaults)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     from shardserve.config import ConfigError
     from shardserve.request import InvalidRequestError
 
     try:
+        args = build_parser(read_config_file(argv)).parse_args(argv)
         return args.func(args)
     except (ConfigError, InvalidRequestError) as exc:
         print(f"shardserve: error: {exc}", file=sys.stderr)

@@ -152,3 +152,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front end of one replica."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # defaults to the --model value
+    max_waiting_requests: int = 256  # beyond this many unscheduled requests, answer 429
+    log_level: str = "info"

@@ -112,6 +112,9 @@ class Request:
     num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    first_scheduled_time: float | None = None  # time.monotonic() values, for latency metrics
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -163,6 +166,9 @@ class RequestOutput:
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
     prompt: str | None = None
+    # time.monotonic() stamps: queue time = first_scheduled - arrival, TTFT = first_token - arrival
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None

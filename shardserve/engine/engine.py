@@ -39,7 +39,6 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
-        self._first_token_times: dict[str, float] = {}
         self._prompts: dict[str, str | None] = {}
 
     # --- requests ------------------------------------------------------------------------------
@@ -51,7 +50,7 @@ class LLMEngine:
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequestError("prompt is empty", "prompt")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
+        self.validate_prompt(token_ids)
         req = Request(
             req_id=req_id, prompt_token_ids=token_ids, params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
@@ -65,7 +64,8 @@ class LLMEngine:
             self._logprobs[req_id] = []
         return req
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Raise InvalidRequestError unless the prompt is non-empty, fits the window and the vocabulary."""
         if not token_ids:
             raise InvalidRequestError("prompt is empty", "prompt")
         if len(token_ids) >= self.max_model_len:
@@ -92,7 +92,8 @@ class LLMEngine:
         outputs = []
         for req in updated:
             token_id = req.output_token_ids[-1]
-            self._first_token_times.setdefault(req.req_id, now)
+            if req.first_token_time is None:
+                req.first_token_time = now
             sampled = result.sampled[req.req_id]
             if req.req_id in self._logprobs:
                 self._logprobs[req.req_id].append(TokenLogprob(token_id, sampled.logprob, sampled.top_logprobs))
@@ -114,10 +115,11 @@ class LLMEngine:
         out = RequestOutput(
             req_id=req.req_id, prompt_token_ids=req.prompt_token_ids, outputs=[completion], finished=finished,
             new_text=new_text, new_token_ids=new_token_ids, num_cached_tokens=req.num_cached_tokens,
-            arrival_time=req.arrival_time, first_token_time=self._first_token_times.get(req.req_id),
-            prompt=self._prompts.get(req.req_id),
+            prompt=self._prompts.get(req.req_id), arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
         )
         if finished:
-            for table in (self._detokenizers, self._logprobs, self._first_token_times, self._prompts):
+            for table in (self._detokenizers, self._logprobs, self._prompts):
                 table.pop(req.req_id, None)
         return out

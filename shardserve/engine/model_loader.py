@@ -45,6 +45,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     with torch.device(device):
         model = model_class(model_config.architecture)(model_config, dtype, max_model_len)
     model.load_weights(checkpoint.iter_tensors(show_progress=config.show_progress))
+    model.prepack()
     model.eval()
     kv_cache = _allocate_kv_cache(config, model_config, max_model_len, dtype, device)
     eos = tuple(dict.fromkeys(model_config.eos_token_ids + tokenizer.eos_token_ids))

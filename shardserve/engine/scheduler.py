@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 
 from shardserve.config import SchedulerConfig
 from shardserve.engine.block_manager import BlockManager
@@ -105,6 +106,8 @@ class Scheduler:
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = len(hits) * self.block_manager.block_size
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             out.new_requests.append(
                 NewRequestData(req.req_id, req.all_token_ids, req.params, req.seed, len(req.prompt_token_ids))
@@ -174,4 +177,5 @@ class Scheduler:
         self.block_manager.free_request(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+        req.finished_time = time.monotonic()
         self._finished_since_last_step.append(req.req_id)

@@ -30,7 +30,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputes cos/sin for every position up to `max_positions`; applies them by position id."""
+    """Precomputes cos/sin for every position up to `max_positions`."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling, dtype: torch.dtype):
         super().__init__()
@@ -41,11 +41,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, D]; k: [T, KV, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for positions [T]; looked up once per step, shared by all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [T, heads, D] (queries and keys may be stacked along heads) -> rotated, same shape."""
+    cos, sin = cos_sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

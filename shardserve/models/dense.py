@@ -13,9 +13,9 @@ from torch import nn
 from shardserve.config import ModelConfig
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.attention import AttentionMetadata, paged_attention
-from shardserve.layers.linear import Linear, default_weight_loader
+from shardserve.layers.linear import Linear, default_weight_loader, packed_linear, prepack_weight
 from shardserve.layers.norm import RMSNorm
-from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 # checkpoint sub-name -> (our fused parameter sub-name, shard index)
 FUSED_WEIGHTS = {
@@ -28,23 +28,21 @@ FUSED_WEIGHTS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, dtype)
         self.o_proj = Linear(q_size, [config.hidden_size], False, dtype)
-        self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 KV) D]
-        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 KV, D]
+        # rotate queries and keys in one pass: they are adjacent heads of the fused projection
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -61,15 +59,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, rotary, dtype)
+        self.self_attn = Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, cos_sin, x, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -80,24 +78,40 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None
+        self.packed_lm_head: torch.Tensor | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(cos_sin, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden, self.packed_lm_head, None).float()
+        return torch.nn.functional.linear(hidden, self._lm_head_weight()).float()
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def prepack(self) -> None:
+        """Repack matmul weights for the device's fastest kernels; call once, after loading.
+        A tied head keeps the embedding as is (lookups need it) and packs a copy."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        self.packed_lm_head = prepack_weight(self._lm_head_weight())
+        if self.packed_lm_head is not None and self.lm_head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into our parameters; every parameter must be set."""

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP API (FastAPI). Handlers validate and tokenize, submit to the
+AsyncEngine, and answer whole or as a server-sent-event stream.
+
+Status codes: 400 invalid parameters or prompt; 404 unknown model; 429 (with Retry-After) when the
+waiting queue is full; 503 when the engine is dead. Bad input never yields a 5xx.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shardserve import __version__
+from shardserve.request import InvalidRequestError, RequestOutput
+from shardserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestSpec, RequestStream
+from shardserve.server.metrics import ServerMetrics
+from shardserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from shardserve.server.responses import ResponseBuilder
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+@dataclass
+class Call:
+    """One API call: its engine requests (prompt x n) and how to format them."""
+
+    specs: list[RequestSpec]
+    builder: ResponseBuilder
+    prompt_tokens: int
+    echo_prefixes: list[str]
+    include_usage: bool
+
+
+def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str, model_info: dict | None = None) -> FastAPI:
+    app = FastAPI(title="shardserve", version=__version__)
+    engine = async_engine.engine
+    tokenizer = engine.tokenizer
+    _install_error_handlers(app)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model")
+
+    def prompt_ids(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        try:
+            if isinstance(prompt, str) and not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
+            ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else list(prompt)
+            engine.validate_prompt(ids)
+            return ids
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+
+    def make_specs(body, prompts: list[list[int]], num_logprobs: int | None, max_tokens: int | None) -> list[RequestSpec]:
+        specs = []
+        base = uuid.uuid4().hex
+        for p_index, ids in enumerate(prompts):
+            budget = engine.max_model_len - len(ids)
+            if max_tokens is not None and max_tokens > budget:
+                raise APIError(400, f"this model's context window is {engine.max_model_len} tokens; the prompt "
+                                    f"has {len(ids)}, so max_tokens can be at most {budget}", "max_tokens")
+            for i in range(body.n):
+                seed = None if body.seed is None else body.seed + i
+                try:
+                    params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed)
+                except InvalidRequestError as exc:
+                    raise APIError(400, str(exc), exc.param) from None
+                specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.priority))
+        return specs
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_alive:
+            raise APIError(503, "the engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "shardserve",
+                "max_model_len": engine.max_model_len, **(model_info or {})}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts = _split_prompts(body.prompt)
+        ids = [prompt_ids(p) for p in prompts]
+        specs = make_specs(body, ids, body.logprobs, body.max_tokens)
+        echo = [p if isinstance(p, str) and body.echo else "" for p in prompts for _ in range(body.n)]
+        builder = ResponseBuilder("completion", f"cmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs is not None)
+        call = Call(specs, builder, sum(len(i) for i in ids), echo, bool(body.stream_options and body.stream_options.include_usage))
+        return await _answer(async_engine, call, body.stream, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except Exception as exc:  # a template's raise_exception: the conversation is malformed
+            raise APIError(400, f"chat template rejected the messages: {exc}", "messages") from None
+        ids = prompt_ids(text, add_special_tokens=False)
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        specs = make_specs(body, [ids], num_logprobs, body.max_completion_tokens or body.max_tokens)
+        builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs)
+        call = Call(specs, builder, len(ids), [""] * len(specs), bool(body.stream_options and body.stream_options.include_usage))
+        return await _answer(async_engine, call, body.stream, request)
+
+    return app
+
+
+def _split_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _submit(async_engine: AsyncEngine, specs: list[RequestSpec]) -> list[RequestStream]:
+    try:
+        return async_engine.submit(specs)
+    except QueueFullError as exc:
+        raise APIError(429, f"server is at capacity ({exc}); retry later", headers={"Retry-After": "1"}) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
+
+
+async def _answer(async_engine: AsyncEngine, call: Call, stream: bool, request: Request):
+    streams = _submit(async_engine, call.specs)
+    if stream:
+        return StreamingResponse(_sse(call, streams), media_type="text/event-stream")
+    collect = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+    try:
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=0.5)
+            if not collect.done() and await request.is_disconnected():
+                collect.cancel()
+                return Response(status_code=499)
+        finals = collect.result()
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
+    finally:
+        for s in streams:
+            s.close()
+    return call.builder.full(finals, call.prompt_tokens, call.echo_prefixes)
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+async def _sse(call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """Interleave the choices' deltas as they come; `data: [DONE]` ends the stream. If the client
+    goes away, the generator is closed and `finally` aborts every unfinished request."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await merged.put((index, out))
+        except Exception as exc:
+            await merged.put((index, exc))
+        await merged.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    completion_tokens, open_choices = 0, len(streams)
+    try:
+        for index, prefix in enumerate(call.echo_prefixes):
+            if prefix or call.builder.kind == "chat":
+                yield _event(call.builder.chunk(index, None, prefix, first=True))
+        while open_choices:
+            index, item = await merged.get()
+            if item is None:
+                open_choices -= 1
+                continue
+            if isinstance(item, Exception):
+                yield _event(error_body(503, f"generation failed: {item}"))
+                break
+            completion_tokens += len(item.new_token_ids)
+            if item.new_text or item.finished:
+                yield _event(call.builder.chunk(index, item, item.new_text))
+        if call.include_usage:
+            yield _event(call.builder.usage_chunk(call.prompt_tokens, completion_tokens))
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            s.close()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"),
+                                status_code=400)
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(400, message, loc[0] if loc else None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)

@@ -1,0 +1,176 @@
+"""AsyncEngine: the engine's step loop in a background thread, one asyncio queue per request.
+
+    HTTP handlers (event loop)                      engine thread
+    submit() --(commands: add / abort)-------------> drain, engine.step()
+    RequestStream <--(call_soon_threadsafe)--------- outputs, per request
+
+Tokenization and validation happen in the caller, so bad input fails in the handler (a 400) and
+never reaches the engine thread. The waiting queue is bounded: `submit` refuses requests when the
+requests not yet scheduled reach `max_waiting_requests`, and the server answers 429.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from shardserve.engine.engine import LLMEngine
+from shardserve.request import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+@dataclass
+class RequestSpec:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Closing it early aborts the request."""
+
+    def __init__(self, engine: "AsyncEngine", req_id: str):
+        self._engine = engine
+        self.req_id = req_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self._engine._streams.pop(self.req_id, None)
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.req_id)
+        self._engine._streams.pop(self.req_id, None)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.on_step = on_step
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._num_pending = 0  # submitted, not yet handed to the scheduler
+        self._num_waiting = 0  # the scheduler's waiting queue after the last step
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # --- requests --------------------------------------------------------------------------------
+    def submit(self, specs: list[RequestSpec]) -> list[RequestStream]:
+        """Queue requests together (all or none). Raises EngineDeadError or QueueFullError."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        with self._lock:
+            if self._num_waiting + self._num_pending + len(specs) > self.max_waiting_requests:
+                raise QueueFullError(f"{self._num_waiting + self._num_pending} requests are already waiting")
+            self._num_pending += len(specs)
+        streams = []
+        for spec in specs:
+            stream = RequestStream(self, spec.req_id)
+            self._streams[spec.req_id] = stream
+            streams.append(stream)
+            self._commands.put(("add", spec, time.monotonic()))
+        self._wake.set()
+        return streams
+
+    def abort(self, req_id: str) -> None:
+        self._commands.put(("abort", req_id, None))
+        self._wake.set()
+
+    # --- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._num_waiting = self.engine.scheduler.num_waiting
+                for out in outputs:
+                    self._deliver(out.req_id, out)
+                if self.on_step is not None:
+                    self.on_step(self.engine, outputs)
+        except BaseException as exc:  # the loop must never die silently: fail every waiter
+            log.exception("engine loop failed")
+            self.error = exc
+            for req_id in list(self._streams):
+                self._deliver(req_id, EngineDeadError(f"engine failed: {exc}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, arrival = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                out = self.engine.abort_request(payload)
+                if out is not None and self.on_step is not None:
+                    self.on_step(self.engine, [out])
+                continue
+            spec: RequestSpec = payload
+            with self._lock:
+                self._num_pending -= 1
+            if spec.req_id not in self._streams:
+                continue  # its client left before the engine saw it
+            try:
+                self.engine.add_request(spec.req_id, spec.prompt_token_ids, spec.params, spec.priority, arrival)
+            except Exception as exc:  # validated by the caller; anything left is still its error
+                self._deliver(spec.req_id, exc)
+            self._num_waiting = self.engine.scheduler.num_waiting
+
+    def _deliver(self, req_id: str, item) -> None:
+        stream = self._streams.get(req_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

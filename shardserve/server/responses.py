@@ -1,0 +1,93 @@
+"""OpenAI response bodies for completions and chat completions, whole and as stream chunks."""
+from __future__ import annotations
+
+import time
+
+from shardserve.models.tokenizer import Tokenizer
+from shardserve.request import RequestOutput, TokenLogprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], text_offset: int) -> dict:
+    """The legacy completions logprobs object: parallel lists plus per-token top-N dicts."""
+    tokens = [_token_text(tokenizer, e.token_id) for e in entries]
+    offsets, pos = [], text_offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class ResponseBuilder:
+    """Formats one API call's outputs; `index` is the choice index (prompt * n + sample)."""
+
+    def __init__(self, kind: str, response_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool):
+        self.kind = kind  # "completion" | "chat"
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.want_logprobs = want_logprobs
+
+    def _envelope(self, chunk: bool) -> dict:
+        obj = {"completion": "text_completion", "chat": "chat.completion"}[self.kind]
+        if chunk and self.kind == "chat":
+            obj = "chat.completion.chunk"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, finals: list[RequestOutput], prompt_tokens: int, echo_prefixes: list[str]) -> dict:
+        choices = []
+        for index, (out, prefix) in enumerate(zip(finals, echo_prefixes)):
+            comp = out.outputs[0]
+            logprobs = None
+            if self.want_logprobs and comp.logprobs is not None:
+                logprobs = (completion_logprobs(self.tokenizer, comp.logprobs, len(prefix)) if self.kind == "completion"
+                            else chat_logprobs(self.tokenizer, comp.logprobs))
+            choice = {"index": index, "logprobs": logprobs, "finish_reason": comp.finish_reason}
+            if self.kind == "completion":
+                choice["text"] = prefix + comp.text
+            else:
+                choice["message"] = {"role": "assistant", "content": comp.text}
+            choices.append(choice)
+        completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
+        return {**self._envelope(False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, index: int, out: RequestOutput | None, text: str, first: bool = False) -> dict:
+        """One streamed delta for choice `index`; `out` carries the finish reason and logprobs."""
+        finish = out.outputs[0].finish_reason if out is not None and out.finished else None
+        logprobs = None
+        if self.want_logprobs and out is not None and out.outputs[0].logprobs and out.new_token_ids:
+            entries = out.outputs[0].logprobs[-len(out.new_token_ids):]
+            logprobs = (completion_logprobs(self.tokenizer, entries, 0) if self.kind == "completion"
+                        else chat_logprobs(self.tokenizer, entries))
+        if self.kind == "completion":
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._envelope(True), "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
