@@ -36,6 +36,13 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency", labels, buckets=_LATENCY_BUCKETS_S, registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled", labels, buckets=_LATENCY_BUCKETS_S, registry=r)
         self.model_name = model_name
+        # create every series up front, so a scrape shows them (at 0) before the first request
+        for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.e2e,
+                       self.queue_time):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
         self._last_token_time: dict[str, float] = {}
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
 
