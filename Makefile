@@ -1,9 +1,9 @@
-# Quick start targets. `make test` and `make generate` work on a fresh clone: they create .venv,
+# Quick start targets. `make serve` and `make test` work on a fresh clone: they create .venv,
 # install the CPU build of torch first (so no dependency pulls a CUDA build), then the package.
 PY := .venv/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: install test test-fast generate bench clean
+.PHONY: install test test-fast serve generate bench clean
 
 .venv/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -20,6 +20,9 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+serve: install
+	.venv/bin/shardserve serve smollm2 --dtype bfloat16 --host 127.0.0.1 --port 8000
 
 generate: install
 	.venv/bin/shardserve generate --model smollm2 --prompt "$(PROMPT)" --max-tokens 48

@@ -123,6 +123,10 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--config", help="YAML file of flag values; command-line flags override it")
     serve.set_defaults(func=cmd_serve)
+
+    from shardserve.bench.cli_args import add_bench_parser
+
+    add_bench_parser(sub)
     if serve_defaults:
         from shardserve.config import ConfigError
 

@@ -36,6 +36,7 @@ class RequestRecord:
     end_s: float
     chunk_times_s: tuple[float, ...] = ()
     num_output_tokens: int = 0
+    tokens_from_usage: bool = False  # False: the server sent no usage; tokens = content chunks
     status_code: int | None = None
     error: str | None = None
 
@@ -128,7 +129,7 @@ def parse_slo(text: str) -> SLO:
 @dataclass(frozen=True)
 class LoadLevel:
     """The offered load of one run: a closed loop of `concurrency` workers, or an open loop at
-    `request_rate_qps` (inf: all at once; None with open loop: the trace's own arrival times),
+    `request_rate_qps` (inf: all at once; None: the workload's own arrival times, e.g. a trace's),
     optionally capped at `concurrency` in flight."""
 
     concurrency: int | None = None
@@ -139,7 +140,7 @@ class LoadLevel:
     def label(self) -> str:
         if self.request_rate_qps is None and self.concurrency is not None:
             return f"concurrency={self.concurrency}"
-        rate = "trace" if self.request_rate_qps is None else f"{self.request_rate_qps:g} qps"
+        rate = "workload arrivals" if self.request_rate_qps is None else f"{self.request_rate_qps:g} qps"
         cap = f", max concurrency {self.concurrency}" if self.concurrency is not None else ""
         burst = f", burstiness {self.burstiness:g}" if self.burstiness != 1.0 else ""
         return f"rate={rate}{burst}{cap}"

@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class LognormalLengths:
 # documents), outputs less so. mean = exp(mean_log + sigma_log^2 / 2):
 #   prompt: sigma 1.2 -> median exp(4.36) ~ 78 tokens, mean ~ 161 (before clipping)
 #   output: sigma 0.9 -> median exp(5.42) ~ 226 tokens, mean ~ 338 (before clipping)
-# Clipping to [4, 2048] / [4, 1024] lowers the means a little (output to ~ 320).
+# Clipping to [4, 2048] / [4, 1024] lowers the sampled means a little, to ~ 157 and ~ 313.
 # Prompt and output lengths are drawn independently (ShareGPT's correlation between them is weak).
 SHAREGPT_PROMPT_LENGTHS = LognormalLengths(mean_log=4.36, sigma_log=1.2, min_len=4, max_len=2048)
 SHAREGPT_OUTPUT_LENGTHS = LognormalLengths(mean_log=5.42, sigma_log=0.9, min_len=4, max_len=1024)
@@ -179,10 +180,11 @@ def closed_loop_arrivals(num: int) -> list[float]:
     return [0.0] * num
 
 
-def synthesize_prompt_ids(prompt_lens: list[int], seed: int = 0,
+def synthesize_prompt_ids(prompt_lens: list[int], seed: int | Sequence[int] = 0,
                           vocab_range: tuple[int, int] = DEFAULT_VOCAB_RANGE) -> list[tuple[int, ...]]:
-    """Random token-id prompts, ids uniform in [vocab_range[0], vocab_range[1]). Independent random
-    prompts share no prefix, so prefix caching cannot shortcut a benchmark built from them."""
+    """Random token-id prompts, ids uniform in [vocab_range[0], vocab_range[1]); `seed` is anything
+    `np.random.default_rng` takes. Independent random prompts share no prefix, so prefix caching
+    cannot shortcut a benchmark built from them."""
     low, high = vocab_range
     if not 0 <= low < high:
         raise ValueError(f"vocab_range must satisfy 0 <= low < high, got {vocab_range}")
@@ -194,7 +196,9 @@ def synthesize_prompt_ids(prompt_lens: list[int], seed: int = 0,
 class WorkloadConfig:
     """What `build_workload` builds. `dataset` is "random", "sharegpt" or "jsonl:PATH".
     request_rate_qps None means no generated arrivals: closed loop (all 0), or a jsonl trace's own
-    `arrival_time_s`. input_len / output_len / range_ratio apply to "random" only."""
+    `arrival_time_s`. input_len / output_len / range_ratio apply to "random" only. `prompt_salt`
+    changes the synthetic prompts' token ids but not their lengths: runs that must not hit each
+    other's prefix cache (successive load levels against one server) use different salts."""
 
     num_requests: int
     dataset: str = "random"
@@ -204,6 +208,7 @@ class WorkloadConfig:
     request_rate_qps: float | None = None
     burstiness: float = 1.0
     seed: int = 0
+    prompt_salt: int = 0
     vocab_range: tuple[int, int] = DEFAULT_VOCAB_RANGE
 
 
@@ -230,7 +235,7 @@ def _synthetic_specs(config: WorkloadConfig) -> list[RequestSpec]:
         lengths = sharegpt_like_lengths(config.num_requests, config.seed)
     else:
         raise ValueError(f"unknown dataset {config.dataset!r}; expected random, sharegpt or jsonl:PATH")
-    prompts = synthesize_prompt_ids([p for p, _ in lengths], config.seed + 1, config.vocab_range)
+    prompts = synthesize_prompt_ids([p for p, _ in lengths], (config.seed + 1, config.prompt_salt), config.vocab_range)
     return [RequestSpec(ids, None, out_len, 0.0) for ids, (_, out_len) in zip(prompts, lengths)]
 
 
