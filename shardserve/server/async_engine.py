@@ -1,8 +1,14 @@
-"""AsyncEngine: the engine's step loop in a background thread, one asyncio queue per request.
+"""AsyncEngine: the engine's step loop on its own thread, one asyncio queue per request.
 
-    HTTP handlers (event loop)                      engine thread
+    HTTP handlers (event loop thread)               engine loop thread
     submit() --(commands: add / abort)-------------> drain, engine.step()
     RequestStream <--(call_soon_threadsafe)--------- outputs, per request
+
+In a server the engine loop runs on the process's main thread (`run_forever`) and HTTP on a
+second thread: torch's OpenMP pool is fastest when its parallel regions come from the main thread
+(libgomp throttles its spin-waiting once more threads than cores take part, and a second thread
+driving torch made every small op wait for a sleeping worker: decode steps ran 2x slower).
+`start()` runs the loop on a background thread instead, for tests and embedding.
 
 Tokenization and validation happen in the caller, so bad input fails in the handler (a 400) and
 never reaches the engine thread. The waiting queue is bounded: `submit` refuses requests when the
@@ -86,20 +92,35 @@ class AsyncEngine:
         self._num_pending = 0  # submitted, not yet handed to the scheduler
         self._num_waiting = 0  # the scheduler's waiting queue after the last step
         self._streams: dict[str, RequestStream] = {}
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._running = threading.Event()
+        self._thread: threading.Thread | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        """Run the loop on a background thread."""
+        self._thread = threading.Thread(target=self.run_forever, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def run_forever(self) -> None:
+        """Run the loop on the calling thread until `stop()` or an engine error."""
+        self._running.set()
+        try:
+            self._run()
+        finally:
+            self._running.clear()
+
+    def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout_s)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self._running.is_set()
 
     @property
     def num_unfinished(self) -> int:

@@ -1,8 +1,9 @@
 """Start one replica: load the engine, run its step loop, serve the API with uvicorn."""
 from __future__ import annotations
 
-import contextlib
 import logging
+import signal
+import threading
 
 import uvicorn
 
@@ -14,26 +15,36 @@ from shardserve.server.metrics import ServerMetrics
 
 
 def build_server(engine_config: EngineConfig, server_config: ServerConfig):
-    """The FastAPI app and its AsyncEngine (started and stopped by the app's lifespan)."""
+    """The FastAPI app and its AsyncEngine (not started)."""
     engine = LLMEngine(engine_config)
     model_name = server_config.served_model_name or engine_config.model
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, server_config.max_waiting_requests, on_step=metrics.observe_step)
     info = {"dtype": engine_config.dtype, "device": engine_config.device}
     app = build_app(async_engine, metrics, model_name, info)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        async_engine.start()
-        yield
-        async_engine.shutdown()
-
-    app.router.lifespan_context = lifespan
     return app, async_engine
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM. The engine loop owns the main thread (see async_engine.py);
+    uvicorn runs on a second thread. If the engine dies, HTTP stays up and answers 503."""
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, _ = build_server(engine_config, server_config)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-                timeout_graceful_shutdown=5)
+    app, async_engine = build_server(engine_config, server_config)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                           log_level=server_config.log_level, timeout_graceful_shutdown=5))
+    stopping = threading.Event()
+
+    def stop(_signum, _frame):
+        stopping.set()
+        async_engine.stop()
+        server.should_exit = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http.start()
+    async_engine.run_forever()
+    while not stopping.is_set() and http.is_alive():  # engine died: keep answering 503 until told to stop
+        stopping.wait(0.5)
+    server.should_exit = True
+    http.join(10)

