@@ -7,7 +7,8 @@ Cache layout, per layer and for K and V alike::
 Head-major so that gathering a batch's blocks yields `[num_kv_heads, batch, blocks_per_seq *
 block_size, head_dim]`, ready for a batched matmul with no transpose copy. The gather is one
 `index_select` on dim 0 of the `[num_kv_heads * num_blocks, block_size * head_dim]` view, with
-row ids `kv_head * num_blocks + block_id` (several times faster on CPU than selecting on dim 1). A token at position `p` of a sequence lives at slot
+row ids `kv_head * num_blocks + block_id` (several times faster on CPU than selecting on dim 1). A token at
+position `p` of a sequence lives at slot
 `block_table[p // block_size] * block_size + p % block_size` of the flattened middle dims.
 
 A step's packed tokens are ordered `[decodes (1 token each) | prefill chunks ...]`: decodes are
@@ -61,6 +62,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D] (this step's tokens, already rotated). Returns [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if not meta.prefills:  # a pure decode step: no output buffer to assemble
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], k_cache, v_cache, meta, scale)

@@ -49,3 +49,29 @@ def test_decode_and_chunked_prefill_match_dense_attention():
     out = paged_attention(q, k, v, cache[0], cache[1], meta, scale)
     torch.testing.assert_close(out[:1], reference(*seqs[0], scale)[6:7])
     torch.testing.assert_close(out[1:], reference(*seqs[1], scale)[8:13])
+
+
+def test_pure_decode_batch_with_padding_matches_dense_attention():
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 8, 4, 16
+    cache = torch.zeros(2, kv_heads, num_blocks, block_size, dim)
+    lengths, tables = [5, 11], [[3, 7], [0, 9, 12]]
+    seqs = [(torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)) for n in lengths]
+    scale = dim**-0.5
+    for (q, k, v), table, n in zip(seqs, tables, lengths):  # prefill all but the last token
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n - 1)])
+        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, n - 1, n - 1, None)])
+        paged_attention(q[: n - 1], k[: n - 1], v[: n - 1], cache[0], cache[1], meta, scale)
+    max_blocks = 3
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    visible = torch.arange(max_blocks * block_size).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).unsqueeze(1).repeat(kv_heads, 1, 1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lengths)]),
+        num_decodes=2, decode_gather_ids=gather_ids(torch.tensor(padded).view(-1), kv_heads, num_blocks), decode_bias=bias)
+    q = torch.cat([s[0][-1:] for s in seqs])
+    k = torch.cat([s[1][-1:] for s in seqs])
+    v = torch.cat([s[2][-1:] for s in seqs])
+    out = paged_attention(q, k, v, cache[0], cache[1], meta, scale)
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(out[i : i + 1], reference(*s, scale)[-1:])
