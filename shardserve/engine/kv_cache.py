@@ -21,7 +21,11 @@ class KVCache:
     def allocate(cls, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> "KVCache":
         shape = (2, model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
-        layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
+        # On CPU the pool is left to the kernel's zero-filled pages (a fresh allocation this large is
+        # always mmapped): memory is committed as blocks are first written, not all at start-up.
+        # Masked padding must read finite values, which zero pages (and every later write) are.
+        alloc = torch.empty if device.type == "cpu" else torch.zeros
+        layers = [alloc(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
         return cls(layers, num_blocks, block_size, dtype)
 
 

@@ -10,7 +10,8 @@ from shardserve.config import ModelConfig
 from shardserve.engine.interface import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from shardserve.engine.kv_cache import KVCache
 from shardserve.engine.sampler import SamplingState, sample
-from shardserve.layers.attention import AttentionMetadata, PrefillChunk, gather_ids
+from shardserve.layers.attention import AttentionMetadata, DecodeGroup, NativeDecode, PrefillChunk, gather_ids, split_by_length
+from shardserve.layers.cpu_kernels import load_paged_decode_attention
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.states: dict[str, SamplingState] = {}
+        self.native_decode_kernel = load_paged_decode_attention() if device.type == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -54,8 +56,8 @@ class ModelRunner:
         return ModelRunnerOutput(dict(zip(inputs.sample_req_ids, sampled)))
 
     def prepare_inputs(self, seqs: list[ScheduledSeq]) -> StepInputs:
-        """Pack decodes first (one token each, attended as one batch), then prefill chunks."""
-        decodes = [s for s in seqs if s.num_tokens == 1]
+        """Pack decodes first (one token each, longest context first), then prefill chunks."""
+        decodes = sorted((s for s in seqs if s.num_tokens == 1), key=lambda s: -s.start_pos)
         prefills = [s for s in seqs if s.num_tokens > 1]
         block_size = self.kv_cache.block_size
         input_ids: list[int] = []
@@ -72,9 +74,13 @@ class ModelRunner:
             if seq.sample:
                 sample_indices.append(len(input_ids) - 1)
                 sample_req_ids.append(seq.req_id)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decodes=len(decodes))
-        if decodes:
-            meta.decode_gather_ids, meta.decode_bias = self._decode_tables(decodes)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        if decodes and self.native_decode_kernel is not None:
+            meta.native_decode = self._native_decode(decodes)
+        else:
+            block_counts = [s.start_pos // block_size + 1 for s in decodes]
+            for start, end in split_by_length(block_counts):
+                meta.decode_groups.append(DecodeGroup(start, end, *self._decode_tables(decodes[start:end])))
         token_start = len(decodes)
         for seq in prefills:
             context_len = seq.start_pos + seq.num_tokens
@@ -98,6 +104,12 @@ class ModelRunner:
         bias = torch.zeros(visible.shape, dtype=self.kv_cache.dtype).masked_fill_(~visible, float("-inf"))
         bias = bias.unsqueeze(1).repeat(self.model_config.num_kv_heads, 1, 1)  # [KV * B, 1, L]
         return self._gather_ids(table), bias.to(self.device)
+
+    def _native_decode(self, decodes: list[ScheduledSeq]) -> NativeDecode:
+        context_lens = [s.start_pos + 1 for s in decodes]
+        max_blocks = -(-max(context_lens) // self.kv_cache.block_size)
+        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
+        return NativeDecode(self.native_decode_kernel, self._tensor(table), self._tensor(context_lens))
 
     def _gather_ids(self, block_ids: list) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long).view(-1)

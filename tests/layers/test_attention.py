@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from shardserve.layers.attention import AttentionMetadata, PrefillChunk, gather_ids, paged_attention
+from shardserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillChunk, gather_ids, paged_attention, split_by_length
 
 
 def reference(q, k, v, scale):
@@ -37,11 +37,10 @@ def test_decode_and_chunked_prefill_match_dense_attention():
 
     # step 2: seq 0 decodes token 6 (batched decode path); seq 1 prefills chunk 8..12 over cached context
     meta = AttentionMetadata(slot_mapping=torch.cat([slots(tables[0], [6]), slots(tables[1], range(8, 13))]))
-    meta.num_decodes = 1
     max_blocks = 2
-    meta.decode_gather_ids = gather_ids(torch.tensor(tables[0][:max_blocks]), kv_heads, num_blocks)
     visible = torch.arange(max_blocks * block_size) < 7
-    meta.decode_bias = torch.zeros(max_blocks * block_size).masked_fill(~visible, float("-inf")).view(1, 1, -1).repeat(kv_heads, 1, 1)
+    bias = torch.zeros(max_blocks * block_size).masked_fill(~visible, float("-inf")).view(1, 1, -1).repeat(kv_heads, 1, 1)
+    meta.decode_groups = [DecodeGroup(0, 1, gather_ids(torch.tensor(tables[0][:max_blocks]), kv_heads, num_blocks), bias)]
     meta.prefills = [PrefillChunk(1, 6, 13, gather_ids(torch.tensor(tables[1]), kv_heads, num_blocks))]
     q = torch.cat([seqs[0][0][6:7], seqs[1][0][8:13]])
     k = torch.cat([seqs[0][1][6:7], seqs[1][1][8:13]])
@@ -68,10 +67,17 @@ def test_pure_decode_batch_with_padding_matches_dense_attention():
     bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).unsqueeze(1).repeat(kv_heads, 1, 1)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lengths)]),
-        num_decodes=2, decode_gather_ids=gather_ids(torch.tensor(padded).view(-1), kv_heads, num_blocks), decode_bias=bias)
+        decode_groups=[DecodeGroup(0, 2, gather_ids(torch.tensor(padded).view(-1), kv_heads, num_blocks), bias)])
     q = torch.cat([s[0][-1:] for s in seqs])
     k = torch.cat([s[1][-1:] for s in seqs])
     v = torch.cat([s[2][-1:] for s in seqs])
     out = paged_attention(q, k, v, cache[0], cache[1], meta, scale)
     for i, s in enumerate(seqs):
         torch.testing.assert_close(out[i : i + 1], reference(*s, scale)[-1:])
+
+
+def test_split_by_length_bounds_padding_and_group_count():
+    assert split_by_length([4, 4, 4]) == [(0, 3)]
+    assert split_by_length([40, 39, 10, 9, 9, 2]) == [(0, 2), (2, 5), (5, 6)]
+    assert len(split_by_length(list(range(100, 0, -1)), max_groups=4)) == 4
+    assert split_by_length([]) == []
