@@ -1,6 +1,8 @@
 """The preallocated KV-cache pool and how many blocks a memory budget buys."""
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +23,16 @@ class KVCache:
     def allocate(cls, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> "KVCache":
         shape = (2, model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
-        # On CPU the pool is left to the kernel's zero-filled pages (a fresh allocation this large is
-        # always mmapped): memory is committed as blocks are first written, not all at start-up.
-        # Masked padding must read finite values, which zero pages (and every later write) are.
-        alloc = torch.empty if device.type == "cpu" else torch.zeros
-        layers = [alloc(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
+        if device.type != "cpu":
+            layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
+        else:
+            # An anonymous mapping is zero-filled by the kernel and committed page by page as
+            # blocks are first written, so RSS grows with use rather than by the whole budget at
+            # start-up (zeroing it ourselves would touch every page). Masked padding that attention
+            # may read is then zeros or real keys and values, never garbage.
+            numel = math.prod(shape)
+            pool = torch.frombuffer(mmap.mmap(-1, numel * model_config.num_layers * torch.finfo(dtype).bits // 8), dtype=dtype)
+            layers = [pool[i * numel : (i + 1) * numel].view(shape) for i in range(model_config.num_layers)]
         return cls(layers, num_blocks, block_size, dtype)
 
 

@@ -92,24 +92,26 @@ class ModelRunner:
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
                           self._tensor(sample_indices), sample_req_ids)
 
+    def _padded_tables(self, decodes: list[ScheduledSeq]) -> tuple[list[list[int]], list[int]]:
+        """Block tables padded with block 0 to the longest context, and the context lengths."""
+        context_lens = [s.start_pos + 1 for s in decodes]
+        max_blocks = -(-max(context_lens) // self.kv_cache.block_size)
+        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
+        return tables, context_lens
+
     def _decode_tables(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows of the padded block tables [KV * B * max_blocks] and the additive mask
         [KV * B, 1, max_blocks * bs] that hides the padding."""
-        block_size = self.kv_cache.block_size
-        context_lens = [s.start_pos + 1 for s in decodes]
-        max_blocks = -(-max(context_lens) // block_size)
-        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
-        lens = torch.tensor(context_lens).unsqueeze(1)  # [B, 1]
-        visible = torch.arange(max_blocks * block_size).unsqueeze(0) < lens  # [B, L]
+        tables, context_lens = self._padded_tables(decodes)
+        num_slots = len(tables[0]) * self.kv_cache.block_size
+        visible = torch.arange(num_slots).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)  # [B, L]
         bias = torch.zeros(visible.shape, dtype=self.kv_cache.dtype).masked_fill_(~visible, float("-inf"))
         bias = bias.unsqueeze(1).repeat(self.model_config.num_kv_heads, 1, 1)  # [KV * B, 1, L]
-        return self._gather_ids(table), bias.to(self.device)
+        return self._gather_ids(tables), bias.to(self.device)
 
     def _native_decode(self, decodes: list[ScheduledSeq]) -> NativeDecode:
-        context_lens = [s.start_pos + 1 for s in decodes]
-        max_blocks = -(-max(context_lens) // self.kv_cache.block_size)
-        table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s in decodes]
-        return NativeDecode(self.native_decode_kernel, self._tensor(table), self._tensor(context_lens))
+        tables, context_lens = self._padded_tables(decodes)
+        return NativeDecode(self.native_decode_kernel, self._tensor(tables), self._tensor(context_lens))
 
     def _gather_ids(self, block_ids: list) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long).view(-1)
