@@ -139,6 +139,9 @@ def _split_prompts(prompt) -> list[str | list[int]]:
 
 
 def _submit(async_engine: AsyncEngine, specs: list[RequestSpec]) -> list[RequestStream]:
+    if len(specs) > async_engine.max_waiting_requests:  # could never be admitted: not a retry case
+        raise APIError(400, f"the request asks for {len(specs)} generations (prompts x n); this server "
+                            f"queues at most {async_engine.max_waiting_requests} at once", "n")
     try:
         return async_engine.submit(specs)
     except QueueFullError as exc:

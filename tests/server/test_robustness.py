@@ -78,6 +78,9 @@ def test_overload_gets_429_and_accepted_requests_complete():
         assert all(body["usage"]["completion_tokens"] == 8 for body in accepted)
         assert httpx.get(f"{url}/health").status_code == 200
         assert rss_mib(proc.pid) - rss_before < 200
+        # a single call that could never fit the queue is a client error, not a retry
+        too_many = httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
 
 
 @pytest.mark.slow
