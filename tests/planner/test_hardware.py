@@ -1,0 +1,102 @@
+"""Hardware catalog, lookup, overrides, what-ifs and host measurement."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from shardserve.config import ConfigError
+from shardserve.planner.hardware import (
+    CATALOG_PATH, apply_what_if, get_hardware, load_catalog, measure_this_host, with_overrides,
+)
+
+REQUIRED = ["H100 SXM", "H200", "B200", "A100 80GB", "L40S", "MI300X", "TPU v5e", "TPU v5p", "Trainium2"]
+
+
+def test_catalog_has_required_devices_with_sources():
+    catalog = load_catalog()
+    assert set(REQUIRED) <= set(catalog)
+    for hw in catalog.values():
+        assert hw.sources and all(s.strip() for s in hw.sources), hw.name
+        assert hw.peak_flop_s["bfloat16"] > 0 and hw.memory_bytes > 0 and hw.memory_bandwidth_bytes_s > 0
+        assert hw.price_per_hour_usd > 0 and hw.devices_per_node >= 1
+
+
+def test_datasheet_figures_spot_check():
+    h100 = get_hardware("H100 SXM")
+    assert h100.peak_flop_s["bfloat16"] == pytest.approx(989.4e12)  # dense, not the 1979 sparse figure
+    assert h100.memory_bandwidth_bytes_s == pytest.approx(3.35e12)
+    assert get_hardware("A100 80GB").peak_flop_s_for("float16") == pytest.approx(312e12)
+    with pytest.raises(ConfigError, match="float8"):
+        get_hardware("A100 80GB").peak_flop_s_for("float8")
+
+
+@pytest.mark.parametrize("alias,name", [("h100", "H100 SXM"), ("H100-sxm", "H100 SXM"), ("a100", "A100 80GB"),
+                                        ("tpu_v5e", "TPU v5e"), ("trn2", "Trainium2"), ("mi300x", "MI300X")])
+def test_lookup_is_case_insensitive_with_aliases(alias, name):
+    assert get_hardware(alias).name == name
+
+
+def test_unknown_hardware_lists_known_names():
+    with pytest.raises(ConfigError, match="unknown hardware 'h900'.*H100 SXM"):
+        get_hardware("h900")
+
+
+def _write_catalog(tmp_path, mutate):
+    data = yaml.safe_load(CATALOG_PATH.read_text())
+    mutate(data["devices"][0])
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_missing_field_names_device_and_field(tmp_path):
+    path = _write_catalog(tmp_path, lambda d: d.pop("memory_bandwidth_bytes_s"))
+    with pytest.raises(ConfigError, match="'H100 SXM' is missing field 'memory_bandwidth_bytes_s'"):
+        load_catalog(path)
+
+
+def test_bad_values_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="'H100 SXM' field 'memory_bytes' must be positive"):
+        load_catalog(_write_catalog(tmp_path, lambda d: d.update(memory_bytes=0)))
+    with pytest.raises(ConfigError, match="'sources'"):
+        load_catalog(_write_catalog(tmp_path, lambda d: d.update(sources=[])))
+    (tmp_path / "junk.yaml").write_text("devices: {oops: 1}\n")
+    with pytest.raises(ConfigError, match="'devices:' list"):
+        load_catalog(tmp_path / "junk.yaml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_catalog(tmp_path / "absent.yaml")
+
+
+def test_with_overrides_replaces_only_given_fields():
+    h100 = get_hardware("h100")
+    cheap = with_overrides(h100, price_per_hour_usd=1.5, memory_bytes=None)
+    assert cheap.price_per_hour_usd == 1.5 and cheap.memory_bytes == h100.memory_bytes
+    assert h100.price_per_hour_usd != 1.5  # the original is untouched
+    with pytest.raises(ConfigError, match="unknown hardware field"):
+        with_overrides(h100, flops=1)
+
+
+def test_what_if_scales_fields():
+    h100 = get_hardware("h100")
+    hw = apply_what_if(h100, "mem_bw=2x, flops=1.5x,memory=1.5x,price=0.8x")
+    assert hw.memory_bandwidth_bytes_s == pytest.approx(2 * 3.35e12)
+    assert hw.peak_flop_s["bfloat16"] == pytest.approx(1.5 * 989.4e12)
+    assert hw.peak_flop_s["float8"] == pytest.approx(1.5 * 1978.9e12)
+    assert hw.memory_bytes == 120_000_000_000 and isinstance(hw.memory_bytes, int)
+    assert hw.price_per_hour_usd == pytest.approx(0.8 * 4.0)
+    assert "what-if" in hw.name
+    assert apply_what_if(h100, "") is h100
+
+
+@pytest.mark.parametrize("spec,match", [("bandwidth=2x", "bad what-if term"), ("mem_bw", "bad what-if term"),
+                                        ("mem_bw=fast", "not a factor"), ("price=-1x", "positive")])
+def test_what_if_rejects_bad_terms(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_what_if(get_hardware("h100"), spec)
+
+
+def test_measure_this_host_returns_positive_figures():
+    hw = measure_this_host(device="cpu")  # ~1 s: one 2048^3 bf16 mm and a 256 MiB copy, x4 each
+    assert hw.name == "this host"
+    assert hw.peak_flop_s["bfloat16"] > 1e8 and hw.memory_bandwidth_bytes_s > 1e8 and hw.memory_bytes > 0
+    assert hw.intra_node_bandwidth_bytes_s == 0 and hw.price_per_hour_usd == 0
