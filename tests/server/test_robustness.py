@@ -86,14 +86,15 @@ def test_overload_gets_429_and_accepted_requests_complete():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("schemathesis", path=os.path.dirname(sys.executable)) is None,
                     reason="schemathesis is not installed")
-def test_schema_fuzz_finds_no_server_errors(tiny_checkpoints):
+def test_schema_fuzz_finds_no_server_errors(tiny_checkpoints, tmp_path):
     # the tiny random model keeps each generated request cheap, so hundreds of cases run quickly
     args = ["--model", str(tiny_checkpoints["llama"]), "--kv-cache-memory", str(16 << 20), "--max-model-len", "256"]
     with running_server(*args) as (url, _):
         cmd = [os.path.join(os.path.dirname(sys.executable), "schemathesis"), "run", f"{url}/openapi.json",
                "--checks", "not_a_server_error", "--max-examples", "60", "--request-timeout", "60",
                "--generation-deterministic", "--suppress-health-check", "all"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        # run from a temp folder: schemathesis keeps a cache in its working directory
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         tail = proc.stdout[-3000:]
         assert proc.returncode == 0, tail
         generated = re.search(r"(\d+) generated", proc.stdout)
