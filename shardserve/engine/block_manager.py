@@ -68,9 +68,13 @@ class BlockManager:
             hits.append(block_id)
         if hits and len(hits) * self.block_size >= req.num_tokens:
             hits.pop()  # a full hit: recompute the last block rather than write into a shared one
-        self.num_prefix_queries += req.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (the prefix-cache hit-rate metrics)."""
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += num_tokens
+            self.num_prefix_hits += num_hit_tokens
 
     def can_allocate(self, req: Request, num_new_tokens: int, prefix_hits: list[int] = ()) -> bool:
         num_tokens = req.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens

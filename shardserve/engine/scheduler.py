@@ -102,9 +102,12 @@ class Scheduler:
             if not self.block_manager.can_allocate(req, num_new, hits):
                 break
             self.waiting.pop(0)
+            num_hit_tokens = len(hits) * self.block_manager.block_size
+            if req.num_computed_tokens == 0:
+                self.block_manager.record_prefix_lookup(req.num_tokens, num_hit_tokens)
             self.block_manager.allocate(req, num_new, hits)
             if req.num_preemptions == 0 and not req.output_token_ids:
-                req.num_cached_tokens = len(hits) * self.block_manager.block_size
+                req.num_cached_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()

@@ -35,7 +35,6 @@ def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
     assert b.num_computed_tokens == 8 and bm.blocks[hits[0]].ref_count == 2
     c = req("c", range(12))  # identical prompt: the last block is recomputed, not shared
     assert bm.find_prefix(c) == a.block_ids[:2]
-    assert bm.num_prefix_hits == 16 and bm.num_prefix_queries == 24
 
 
 def test_freed_cached_blocks_stay_findable_until_evicted_lru():

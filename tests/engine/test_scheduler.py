@@ -82,3 +82,17 @@ def test_stop_token_eos_min_tokens_and_abort():
     step(s)
     aborted = s.finish_request("b", FinishReason.ABORT)
     assert aborted.finish_reason == FinishReason.ABORT and s.block_manager.num_free_blocks == 64
+
+
+def test_prefix_cache_counters_count_each_admitted_request_once():
+    s = make(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("a", 12, max_tokens=1))
+    step(s)  # a runs and finishes; its three full blocks stay cached
+    s.add_request(req("big", 20, max_tokens=4, first=500))  # takes 6 of the 8 blocks for 4 steps
+    s.add_request(req("b", 12, max_tokens=1))  # hits 2 cached blocks but waits for a third
+    for _ in range(8):
+        step(s)
+    bm = s.block_manager
+    assert not s.has_unfinished()
+    # a: 12 tokens, no hit; big: 20, no hit; b: 12 with 8 hit, counted once however long it waited
+    assert bm.num_prefix_queries == 12 + 20 + 12 and bm.num_prefix_hits == 8
