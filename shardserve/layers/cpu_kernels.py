@@ -8,21 +8,35 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
 
 
-@functools.lru_cache(maxsize=1)
-def load_paged_decode_attention():
-    """The compiled `paged_decode_attention` function, or None (disabled or no toolchain).
-    Set SHARDSERVE_NATIVE_KERNELS=0 to use the torch fallback."""
+@functools.lru_cache(maxsize=None)
+def _load(name: str, fast_math: bool):
+    """The compiled extension `csrc/<name>.cpp`, or None (disabled or no toolchain).
+    Set SHARDSERVE_NATIVE_KERNELS=0 to use the torch fallbacks."""
     if os.environ.get("SHARDSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name="shardserve_paged_decode_attention", sources=[str(_SOURCE)],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"], verbose=False)
-        return module.paged_decode_attention
+        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else [])
+        return load(name=f"shardserve_{name}", sources=[str(_CSRC / f"{name}.cpp")], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
-        log.warning("native CPU attention kernel unavailable, using torch ops: %s", exc)
+        log.warning("native CPU kernel %s unavailable, using torch ops: %s", name, exc)
         return None
+
+
+def load_paged_decode_attention():
+    """`paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)` or None.
+    Built with -ffast-math so the dot products vectorize (reassociated float sums)."""
+    module = _load("paged_decode_attention", True)
+    return None if module is None else module.paged_decode_attention
+
+
+def load_add_rms_norm():
+    """`add_rms_norm(residual, delta | None, weight, eps)` (residual += delta in place; returns the
+    normalized rows) or None. Exact float semantics: no fast-math."""
+    module = _load("fused_elementwise", False)
+    return None if module is None else module.add_rms_norm

@@ -66,9 +66,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, cos_sin, x, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, cos_sin, x, delta, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, hidden], updated in place; delta: the previous layer's MLP
+        output, still to be added (None for the first layer). Returns (x, this layer's MLP output):
+        each residual add is folded into the norm that follows it."""
+        h = self.input_layernorm(x, delta)
+        h = self.post_attention_layernorm(x, self.self_attn(cos_sin, h, kv_cache, meta))
+        return x, self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -91,9 +95,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.rotary.lookup(positions)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(cos_sin, x, kv_cache, meta)
-        return self.norm(x)
+            x, delta = layer(cos_sin, x, delta, kv_cache, meta)
+        return self.norm(x, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
