@@ -1,7 +1,8 @@
 // Paged decode attention on CPU: one query token per sequence, keys and values read straight
 // from the block pool (no gather copy). Work items are (sequence, kv head) pairs, spread over
-// OpenMP threads; the G query heads that share a kv head are handled together, so each cached
-// key/value row is read once per item. Accumulation is in float32 whatever the cache dtype.
+// OpenMP threads; the G query heads that share a kv head are handled together: each cached block
+// of keys (then values) is widened to float32 once into a small tile and used by all G heads.
+// Accumulation is in float32 whatever the cache dtype.
 //
 //   q            [B, H, D]                 (float32 or bfloat16, contiguous)
 //   k/v cache    [KV, num_blocks, bs, D]   (same dtype, contiguous)
@@ -26,20 +27,25 @@ inline float to_float(c10::BFloat16 x) {
 template <typename T>
 void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
                 int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
-                float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf) {
-  // qf: [G, D] float copy of the group's queries, pre-scaled
+                float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
+                std::vector<float>& tile) {
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(q[g * head_dim + d]) * scale;
-  scores.assign(group * context_len, 0.f);
-  for (int64_t t = 0; t < context_len; ++t) {
-    const int64_t block = table[t / block_size];
-    const T* key = k_cache + ((kv_head * num_blocks + block) * block_size + t % block_size) * head_dim;
+  scores.resize(group * context_len);
+  for (int64_t start = 0; start < context_len; start += block_size) {
+    const int64_t n = std::min(block_size, context_len - start);
+    const T* keys = k_cache + (kv_head * num_blocks + table[start / block_size]) * block_size * head_dim;
+    for (int64_t i = 0; i < n * head_dim; ++i) tile[i] = to_float(keys[i]);  // widen once, use G times
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = &qf[g * head_dim];
-      float dot = 0.f;
+      float* s = &scores[g * context_len + start];
+      for (int64_t t = 0; t < n; ++t) {
+        const float* kt = &tile[t * head_dim];
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(key[d]);
-      scores[g * context_len + t] = dot;
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kt[d];
+        s[t] = dot;
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g) {  // softmax per query head
@@ -52,13 +58,19 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
   }
   acc.assign(group * head_dim, 0.f);
-  for (int64_t t = 0; t < context_len; ++t) {
-    const int64_t block = table[t / block_size];
-    const T* value = v_cache + ((kv_head * num_blocks + block) * block_size + t % block_size) * head_dim;
+  for (int64_t start = 0; start < context_len; start += block_size) {
+    const int64_t n = std::min(block_size, context_len - start);
+    const T* values = v_cache + (kv_head * num_blocks + table[start / block_size]) * block_size * head_dim;
+    for (int64_t i = 0; i < n * head_dim; ++i) tile[i] = to_float(values[i]);
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * context_len + t];
+      const float* p = &scores[g * context_len + start];
       float* a = &acc[g * head_dim];
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(value[d]);
+      for (int64_t t = 0; t < n; ++t) {
+        const float pt = p[t];
+        const float* vt = &tile[t * head_dim];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += pt * vt[d];
+      }
     }
   }
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
@@ -77,13 +89,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t* len_ptr = context_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc, qf(group * head_dim);
+    std::vector<float> scores, acc, qf(group * head_dim), tile(block_size * head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
       attend_one<T>(q_ptr + offset, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq], kv_head,
                     num_blocks, block_size, group, head_dim, static_cast<float>(scale), out_ptr + offset,
-                    scores, acc, qf);
+                    scores, acc, qf, tile);
     }
   });
 }
