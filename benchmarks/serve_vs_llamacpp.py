@@ -22,56 +22,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 from shardserve.bench.client import run_benchmark_sync
 from shardserve.models.checkpoint import resolve_model_path
+from shardserve.server.process import free_port, server_process
 from shardserve.sim.workload import WorkloadConfig, build_workload
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
-def server_process(cmd: list[str], port: int, name: str, timeout_s: float = 180):
+def started(cmd: list[str], port: int, name: str):
     print(f"[{name}] starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not become healthy")
-            time.sleep(0.5)
+    with server_process(cmd, port, startup_timeout_s=180) as (url, _):
         print(f"[{name}] ready", file=sys.stderr, flush=True)
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def bf16_gguf(bin_dir: Path, cache_dir: Path) -> Path:
@@ -125,13 +94,13 @@ def main() -> None:
     port = free_port()
     ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
                 "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
-    with server_process(ours_cmd, port, "shardserve") as url:
+    with started(ours_cmd, port, "shardserve") as url:
         ours = run_levels("shardserve", url, levels, args, salt=1, extra_body={})
     port = free_port()
     max_par = max(c for c, _ in levels)
     llama_cmd = [str(args.llama_bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                  "-t", "2", "-np", str(max_par), "-c", str(max_par * 512), "--cont-batching"]
-    with server_process(llama_cmd, port, "llama-server") as url:
+    with started(llama_cmd, port, "llama-server") as url:
         theirs = run_levels("llama-server", url, levels, args, salt=2, extra_body={"cache_prompt": False})
     report(levels, ours, theirs, args)
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import random
 import time
 
-import torch
-
 from shardserve.config import EngineConfig
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.detokenizer import IncrementalDetokenizer
