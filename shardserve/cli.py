@@ -20,6 +20,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    par = parser.add_argument_group("parallelism (see docs/parallelism.md)")
+    par.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
+    par.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
+    par.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1, help="expert-parallel ranks (MoE)")
+    par.add_argument("--num-micro-batches", type=int, default=None, help="pipeline micro-batches per step (default: pp)")
+    par.add_argument("--pp-partition", default=None, help="layers per stage, comma-separated, e.g. 10,14")
+    par.add_argument("--num-redundant-experts", type=int, default=0,
+                     help="extra expert slots per EP rank, for replicas of hot experts")
+    par.add_argument("--nnodes", type=int, default=1, help="hosts of this replica (without torchrun)")
+    par.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 .. nnodes-1")
+    par.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node 0, where the ranks meet")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -28,7 +39,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, num_micro_batches=args.num_micro_batches,
+        pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),
+        num_redundant_experts=args.num_redundant_experts,
+        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
     )
+
+
+def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    from shardserve.config import ConfigError
+
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -60,10 +86,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine.add_request(uuid.uuid4().hex, prompt, params)
     if not args.chat:
         print(args.prompt, end="", flush=True)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            print(out.new_text, end="", flush=True)
-    print()
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.new_text, end="", flush=True)
+        print()
+    finally:
+        engine.shutdown()
     return 0
 
 
@@ -75,8 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = args.model_pos or args.model
     server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           max_waiting_requests=args.max_waiting_requests, log_level=args.log_level)
-    run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server)
-    return 0
+    return run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server)
 
 
 def read_config_file(argv: list[str] | None) -> dict:

@@ -13,6 +13,10 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -36,7 +40,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape and numerics of a decoder-only transformer, independent of where it was loaded from."""
 
-    architecture: str  # family: "llama" | "mistral" | "qwen2"
+    architecture: str  # family: a value of HF_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -52,15 +56,38 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has biases on q/k/v projections
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before rotary
+    # Mixture of experts; num_experts == 0 means dense. An MoE layer replaces the MLP by a router
+    # over `num_experts` gated experts of width `moe_intermediate_size`, of which each token uses
+    # the top `num_experts_per_token`, plus (when its width is > 0) an always-on shared expert.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # rescale the top-k router probabilities to sum to 1
+    dense_layer_ids: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.is_moe and layer_id not in self.dense_layer_ids
 
     @property
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
+        """Parameter count (embedding counted once when tied; every expert counted)."""
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        per_layer = attn + mlp + 2 * self.hidden_size
+        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        router = self.hidden_size * self.num_experts
+        moe_mlp = router + self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+        if self.shared_expert_intermediate_size:  # the expert and its sigmoid gate
+            moe_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+        num_moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        mlp = num_moe_layers * moe_mlp + (self.num_layers - num_moe_layers) * dense_mlp
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + self.hidden_size
+        return self.num_layers * (attn + norms) + mlp + embed + self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -90,10 +117,40 @@ class ModelConfig:
             rope_theta=_rope_theta(hf),
             rope_scaling=_rope_scaling(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+            attention_bias=_attention_bias(arch, hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            **_moe_fields(arch, hf),
         )
+
+
+def _attention_bias(arch: str, hf: dict[str, Any]) -> bool:
+    if arch == "qwen2":
+        return True
+    if arch == "qwen2_moe":  # older Qwen1.5-MoE configs predate the `qkv_bias` key but have biases
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", False))
+
+
+def _moe_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of ModelConfig for the MoE families; {} (dense) for the others.
+    Defaults are transformers' own where a config.json may omit the key."""
+    if arch == "mixtral":  # every layer sparse; `intermediate_size` is the expert width
+        return dict(num_experts=hf["num_local_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    if arch not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    # Layer i is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
+    sparse_step = hf.get("decoder_sparse_step") or 1
+    mlp_only = set(hf.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(hf["num_hidden_layers"]) if i in mlp_only or (i + 1) % sparse_step)
+    # transformers >= 5 writes Qwen3-MoE's expert count as `num_local_experts`
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    shared = hf.get("shared_expert_intermediate_size", 5632) if arch == "qwen2_moe" else 0
+    return dict(num_experts=num_experts, num_experts_per_token=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"], shared_expert_intermediate_size=shared,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), dense_layer_ids=dense)
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
@@ -141,6 +198,78 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one replica is split over processes (ranks).
+
+    Ranks are grouped by pipeline stage; a stage has `stage_size = max(tp_size, ep_size)` ranks:
+
+        rank = pp_rank * stage_size + local_rank
+        attention and dense MLPs: tensor parallel over consecutive runs of tp_size ranks
+        experts (ep_size > 1): spread over all stage_size ranks of the stage, each expert whole
+
+    so tp=2, ep=2 puts attention TP and expert EP on the same two ranks, and tp=1, ep=2 repeats
+    attention on both ranks while the experts are split between them.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    num_micro_batches: int | None = None  # pipeline micro-batches per step; default pp_size
+    # layers per stage; default: as even as possible (the first stages take the remainder)
+    pp_layer_partition: tuple[int, ...] | None = None
+    num_redundant_experts: int = 0  # extra expert slots per EP rank, for hot-expert replicas
+    comm_timeout_s: float = 20.0  # a peer silent this long is taken for dead
+    # Several hosts without torchrun: every host runs the same command with its --node-rank;
+    # each starts world_size / nnodes ranks and finds the others at node 0's host:port.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    @property
+    def stage_size(self) -> int:
+        return max(self.tp_size, self.ep_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.stage_size
+
+    def validate(self, model: "ModelConfig") -> None:
+        """Raise ConfigError, in one sentence, unless this layout can split `model`."""
+        for name in ("tp_size", "pp_size", "ep_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.split('_')[0]}={getattr(self, name)} must be at least 1")
+        tp, pp, ep = self.tp_size, self.pp_size, self.ep_size
+        if model.num_heads % tp:
+            raise ConfigError(f"tp={tp} does not divide the model's {model.num_heads} attention heads")
+        kv = model.num_kv_heads
+        if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+            raise ConfigError(f"tp={tp} can neither split nor evenly replicate the model's {kv} KV heads")
+        if pp > model.num_layers:
+            raise ConfigError(f"pp={pp} exceeds the model's {model.num_layers} layers")
+        if self.pp_layer_partition is not None and (
+                len(self.pp_layer_partition) != pp or sum(self.pp_layer_partition) != model.num_layers
+                or min(self.pp_layer_partition) < 1):
+            raise ConfigError(f"the layer partition {list(self.pp_layer_partition)} must give each of the "
+                              f"{pp} stages at least one layer and sum to {model.num_layers}")
+        num_experts = getattr(model, "num_experts", 0)
+        if ep > 1 and not num_experts:
+            raise ConfigError(f"ep={ep} needs a mixture-of-experts model; this one is dense")
+        if num_experts and num_experts % ep:
+            raise ConfigError(f"ep={ep} does not divide the model's {num_experts} experts")
+        if ep > 1 and ep % tp:
+            raise ConfigError(f"tp={tp} must divide ep={ep}: experts are spread over all ranks of a stage")
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ConfigError(f"num_micro_batches={self.num_micro_batches} must be at least 1")
+
+    def stage_layers(self, num_layers: int) -> list[range]:
+        """The global layer ids each pipeline stage runs."""
+        counts = self.pp_layer_partition or [
+            num_layers // self.pp_size + (1 if s < num_layers % self.pp_size else 0) for s in range(self.pp_size)]
+        starts = [sum(counts[:s]) for s in range(self.pp_size)]
+        return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, resolved. `model` is a path or an embedded model name."""
 
@@ -151,6 +280,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     show_progress: bool = True
 
 

@@ -7,16 +7,21 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from shardserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from shardserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from shardserve.engine.engine import LLMEngine
 from shardserve.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 
 
+# vLLM's argument names -> ours
+VLLM_NAMES = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size"}
+
+
 def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
     """Flat keyword arguments (as users pass them to vLLM's LLM) -> nested EngineConfig."""
-    nested = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+    nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+    kwargs = {VLLM_NAMES.get(key, key): value for key, value in kwargs.items()}
     parts: dict[str, dict] = {name: {} for name in nested}
     top: dict = {"model": model}
     fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in nested.items()}
@@ -37,6 +42,16 @@ class LLM:
         self.engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a parallel replica; the LLM is unusable afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -38,7 +38,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # return the sampled token's logprob and this many top ones
+    # return the sampled token's logprob and this many top ones (-1: the whole vocabulary)
+    logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -61,7 +62,8 @@ class SamplingParams:
             (self.repetition_penalty > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.logprobs is None or -1 <= self.logprobs <= 20, "logprobs",
+             f"logprobs must be in [0, 20] (or -1: all), got {self.logprobs}"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
         ]
         for ok, param, message in checks:

@@ -26,6 +26,28 @@ TINY_SHAPES = {
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                    tie_word_embeddings=True),
+    # head_dim 32 != hidden / heads, as in the real Qwen3 models
+    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1000000.0),
+    # MoE: 8 experts, top 2; intermediate_size is Mixtral's expert width
+    "mixtral": dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, num_local_experts=8,
+                    num_experts_per_tok=2),
+    # a shared expert, no top-k renormalization, and layer 1 dense (mlp_only_layers)
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+}
+
+HF_CLASSES = {  # family -> (model class, config class) in transformers
+    "llama": ("LlamaForCausalLM", "LlamaConfig"), "llama3": ("LlamaForCausalLM", "LlamaConfig"),
+    "mistral": ("MistralForCausalLM", "MistralConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"), "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
 }
 
 
@@ -50,10 +72,7 @@ def write_tiny_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     import transformers
 
     shape = dict(TINY_SHAPES[family])
-    cls_name, cfg_name = {
-        "llama": ("LlamaForCausalLM", "LlamaConfig"), "llama3": ("LlamaForCausalLM", "LlamaConfig"),
-        "mistral": ("MistralForCausalLM", "MistralConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
-    }[family]
+    cls_name, cfg_name = HF_CLASSES[family]
     config = getattr(transformers, cfg_name)(vocab_size=384, bos_token_id=0, eos_token_id=1, **shape)
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(config)

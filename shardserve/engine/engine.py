@@ -8,6 +8,7 @@ scheduler -> detokenize and check stop strings -> RequestOutputs.
 """
 from __future__ import annotations
 
+import atexit
 import random
 import time
 
@@ -15,7 +16,10 @@ from shardserve.config import EngineConfig
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.model_loader import LoadedModel, load_model
+from shardserve.engine.executor import ParallelExecutor
 from shardserve.engine.model_runner import ModelRunner
+from shardserve.engine.worker import Worker
+from shardserve.parallel.launch import Ranks, serve_worker_and_exit, start_ranks
 from shardserve.engine.scheduler import Scheduler
 from shardserve.request import (
     CompletionOutput, FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, TokenLogprob,
@@ -23,9 +27,23 @@ from shardserve.request import (
 
 
 class LLMEngine:
+    """A replica's engine. With a parallel layout (world size > 1) this process becomes rank 0
+    and starts the other ranks (see shardserve/parallel/launch.py); a process that torchrun
+    started as another rank serves as a worker inside this constructor and exits when the driver
+    shuts down."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.loaded = loaded or load_model(config)
+        self.ranks: Ranks | None = None
+        if loaded is None and config.parallel.world_size > 1:
+            self.ranks = start_ranks(config)
+            if not self.ranks.groups.is_driver:
+                serve_worker_and_exit(config, self.ranks)
+        try:
+            self.loaded = loaded or load_model(config, self.ranks.groups if self.ranks else None)
+        except BaseException:
+            self._close_ranks()
+            raise
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.model_config
         self.max_model_len = self.loaded.max_model_len
@@ -34,6 +52,9 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.model_config, kv, self.eos_token_ids, self.loaded.device)
+        if self.ranks is not None:
+            self.runner = ParallelExecutor(Worker(self.runner, self.ranks.groups))
+            atexit.register(self.shutdown)
         self._seeds = random.Random(config.seed)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
@@ -80,6 +101,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def keep_alive(self) -> None:
+        """Call when idle: lets the other ranks of a parallel replica know the driver lives."""
+        if isinstance(self.runner, ParallelExecutor):
+            self.runner.keep_alive()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a parallel replica (nothing to do in a single process)."""
+        if isinstance(self.runner, ParallelExecutor):
+            try:
+                self.runner.shutdown()
+            except Exception:  # a peer is already gone: the ranks are closed below regardless
+                pass
+        self._close_ranks()
+
+    def _close_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -57,3 +57,14 @@ class SampledToken:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # req_id -> token
+
+
+# --- driver -> workers, over torch.distributed (see engine/executor.py) ----------------------------
+@dataclass
+class Heartbeat:
+    """Sent when the driver has nothing to run, so a silent driver means a dead one."""
+
+
+@dataclass
+class Shutdown:
+    """The replica is stopping: workers leave their loop and exit cleanly."""

@@ -19,25 +19,42 @@ class KVCache:
     block_size: int
     dtype: torch.dtype
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].shape[1] if self.layers else 0
+
     @classmethod
-    def allocate(cls, model_config: ModelConfig, num_blocks: int, block_size: int,
+    def allocate(cls, shape: "KVShape", num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> "KVCache":
-        shape = (2, model_config.num_kv_heads, num_blocks, block_size, model_config.head_dim)
+        num_layers = shape.num_layers
+        shape = (2, shape.num_kv_heads, num_blocks, block_size, shape.head_dim)
         if device.type != "cpu":
-            layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
+            layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         else:
             # An anonymous mapping is zero-filled by the kernel and committed page by page as
             # blocks are first written, so RSS grows with use rather than by the whole budget at
             # start-up (zeroing it ourselves would touch every page). Masked padding that attention
             # may read is then zeros or real keys and values, never garbage.
             numel = math.prod(shape)
-            pool = torch.frombuffer(mmap.mmap(-1, numel * model_config.num_layers * torch.finfo(dtype).bits // 8), dtype=dtype)
-            layers = [pool[i * numel : (i + 1) * numel].view(shape) for i in range(model_config.num_layers)]
+            pool = torch.frombuffer(mmap.mmap(-1, numel * num_layers * torch.finfo(dtype).bits // 8), dtype=dtype)
+            layers = [pool[i * numel : (i + 1) * numel].view(shape) for i in range(num_layers)]
         return cls(layers, num_blocks, block_size, dtype)
 
 
-def block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * model_config.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+@dataclass(frozen=True)
+class KVShape:
+    """What one rank caches: its layers (a pipeline stage's) and its KV heads (a tp slice)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model_config: ModelConfig) -> "KVShape":
+        return cls(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * torch.finfo(dtype).bits // 8
 
 
 def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:

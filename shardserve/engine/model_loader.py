@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from shardserve.config import ConfigError, EngineConfig, ModelConfig
-from shardserve.engine.kv_cache import KVCache, block_bytes, kv_budget_bytes
+from shardserve.engine.kv_cache import KVCache, KVShape, kv_budget_bytes
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.models.registry import model_class
 from shardserve.models.tokenizer import Tokenizer, load_tokenizer
+from shardserve.parallel.groups import ParallelGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,6 +27,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     dtype: torch.dtype
+    groups: ParallelGroups
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -35,30 +38,40 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> LoadedModel:
+    """Load this rank's share of the model (all of it in a single process) and its KV cache.
+    In a parallel replica every rank calls this; the ranks agree on one number of KV blocks."""
+    groups = groups or ParallelGroups.single()
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = load_checkpoint(config.model)
     model_config = checkpoint.config
+    config.parallel.validate(model_config)
     tokenizer = load_tokenizer(checkpoint)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     with torch.device(device):
-        model = model_class(model_config.architecture)(model_config, dtype, max_model_len)
-    model.load_weights(checkpoint.iter_tensors(show_progress=config.show_progress))
+        model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups)
+    show_progress = config.show_progress and groups.is_driver
+    model.load_weights(checkpoint.iter_lazy_tensors(show_progress=show_progress))
     model.prepack()
     model.eval()
-    kv_cache = _allocate_kv_cache(config, model_config, max_model_len, dtype, device)
+    kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
     eos = tuple(dict.fromkeys(model_config.eos_token_ids + tokenizer.eos_token_ids))
-    return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype)
+    return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups)
 
 
-def _allocate_kv_cache(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                       dtype: torch.dtype, device: torch.device) -> KVCache:
+def _allocate_kv_cache(config: EngineConfig, shape: KVShape, max_model_len: int, dtype: torch.dtype,
+                       device: torch.device, groups: ParallelGroups) -> KVCache:
     block_size = config.cache.block_size
-    num_blocks = kv_budget_bytes(config.cache, device) // block_bytes(model_config, block_size, dtype)
+    block_bytes = shape.block_bytes(block_size, dtype)
+    num_blocks = kv_budget_bytes(config.cache, device) // block_bytes
+    if groups.world_size > 1:  # the scheduler hands out block ids valid on every rank
+        agreed = torch.tensor([num_blocks])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=groups.control)
+        num_blocks = int(agreed)
     if num_blocks * block_size < max_model_len:
-        need = -(-max_model_len // block_size) * block_bytes(model_config, block_size, dtype)
+        need = -(-max_model_len // block_size) * block_bytes
         raise ConfigError(
             f"the KV cache holds {num_blocks * block_size} tokens, less than one full context of "
             f"{max_model_len}; give it at least {need} bytes (--kv-cache-memory) or lower --max-model-len")
-    return KVCache.allocate(model_config, num_blocks, block_size, dtype, device)
+    return KVCache.allocate(shape, num_blocks, block_size, dtype, device)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.config import ModelConfig
-from shardserve.engine.interface import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.kv_cache import KVCache
 from shardserve.engine.sampler import SamplingState, sample
 from shardserve.layers.attention import AttentionMetadata, DecodeGroup, NativeDecode, PrefillChunk, gather_ids, split_by_length
@@ -36,24 +36,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        inputs = self.prepare_inputs(sched.seqs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+        sampled = self.sample(inputs, hidden)
+        self.record(sampled)
+        return ModelRunnerOutput(sampled)
+
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Forget finished requests; remember new ones (their tokens and sampling state)."""
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
         for new in sched.new_requests:
             self.states[new.req_id] = SamplingState(
                 new.params, new.seed, list(new.token_ids), new.num_prompt_tokens, self.eos_token_ids
             )
-        if sched.is_empty:
-            return ModelRunnerOutput()
-        inputs = self.prepare_inputs(sched.seqs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta)
+
+    def sample(self, inputs: "StepInputs", hidden: torch.Tensor) -> dict[str, SampledToken]:
+        """The next token of every sequence whose chunk ends at its last known token."""
         if not inputs.sample_req_ids:
-            return ModelRunnerOutput()
+            return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, vocab] float32
         states = [self.states[r] for r in inputs.sample_req_ids]
-        sampled = sample(logits.cpu(), states)
-        for state, token in zip(states, sampled):
-            state.token_ids.append(token.token_id)
-        return ModelRunnerOutput(dict(zip(inputs.sample_req_ids, sampled)))
+        return dict(zip(inputs.sample_req_ids, sample(logits.cpu(), states)))
+
+    def record(self, sampled: dict[str, SampledToken]) -> None:
+        for req_id, token in sampled.items():
+            self.states[req_id].token_ids.append(token.token_id)
 
     def prepare_inputs(self, seqs: list[ScheduledSeq]) -> StepInputs:
         """Pack decodes first (one token each, longest context first), then prefill chunks."""
@@ -106,7 +117,7 @@ class ModelRunner:
         num_slots = len(tables[0]) * self.kv_cache.block_size
         visible = torch.arange(num_slots).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)  # [B, L]
         bias = torch.zeros(visible.shape, dtype=self.kv_cache.dtype).masked_fill_(~visible, float("-inf"))
-        bias = bias.unsqueeze(1).repeat(self.model_config.num_kv_heads, 1, 1)  # [KV * B, 1, L]
+        bias = bias.unsqueeze(1).repeat(self.kv_cache.num_kv_heads, 1, 1)  # [KV * B, 1, L]
         return self._gather_ids(tables), bias.to(self.device)
 
     def _native_decode(self, decodes: list[ScheduledSeq]) -> NativeDecode:
@@ -115,7 +126,7 @@ class ModelRunner:
 
     def _gather_ids(self, block_ids: list) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.long).view(-1)
-        return gather_ids(ids, self.model_config.num_kv_heads, self.kv_cache.num_blocks).to(self.device)
+        return gather_ids(ids, self.kv_cache.num_kv_heads, self.kv_cache.num_blocks).to(self.device)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -119,9 +119,9 @@ def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 def _attach_logprobs(logits, tokens: list[SampledToken], states, rows: list[int]) -> None:
     index = torch.tensor(rows)
     logprobs = torch.log_softmax(logits[index], dim=-1)
-    max_top = max(states[i].params.logprobs for i in rows)
-    top_values, top_ids = logprobs.topk(max(max_top, 1), dim=-1)
-    for j, row in enumerate(rows):
-        n = states[row].params.logprobs
+    vocab_size = logits.shape[-1]
+    wanted = [vocab_size if states[i].params.logprobs == -1 else states[i].params.logprobs for i in rows]
+    top_values, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)
+    for j, (row, n) in enumerate(zip(rows, wanted)):
         tokens[row].logprob = float(logprobs[j, tokens[row].token_id])
         tokens[row].top_logprobs = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist()))

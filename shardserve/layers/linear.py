@@ -2,7 +2,9 @@
 
 Checkpoints store q/k/v and gate/up as separate matrices; we fuse them into one matmul each.
 Every parameter carries a `weight_loader(param, tensor, shard_id)` that knows where a checkpoint
-tensor goes, so the model's `load_weights` is a name mapping and nothing else.
+tensor goes, so the model's `load_weights` is a name mapping and nothing else. A layer may hold
+only a slice of each checkpoint matrix (`row_starts`, `input_slice`: a tensor-parallel rank's
+share, see shardserve/parallel/linear.py); its loader then reads just that slice.
 
 On CPU, weights are repacked once, after loading, into oneDNN's blocked layout: a plain
 `F.linear` re-lays the weight out on every call, which costs 1.5-3x at decode batch sizes.
@@ -13,11 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.models.lazy_tensor import LazyTensor, as_lazy
 
-def default_weight_loader(param: torch.Tensor, tensor: torch.Tensor, shard_id=None) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(tensor.shape)}")
-    param.data.copy_(tensor)
+
+def default_weight_loader(param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id=None) -> None:
+    copy_checked(param.data, as_lazy(tensor).read())
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
+    dst.copy_(src)
 
 
 def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -37,11 +45,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) where W's output rows are the concatenation of `output_sizes` shards."""
+    """y = x W^T (+ b) where W's output rows are the concatenation of `output_sizes` shards.
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+    Shard i holds rows [row_starts[i], row_starts[i] + output_sizes[i]) of its checkpoint matrix
+    (default: all of them), and columns `input_slice` = (start, length) (default: all)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 row_starts: list[int] | None = None, input_slice: tuple[int, int] | None = None):
         super().__init__()
         self.output_sizes = output_sizes
+        self.row_starts = row_starts  # None: whole checkpoint matrices
+        self.input_slice = input_slice  # None: all columns
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_shard
         self.packed: torch.Tensor | None = None
@@ -50,11 +64,19 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(sum(output_sizes), dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self._load_shard
 
-    def _load_shard(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: int | None = None) -> None:
-        if shard_id is None:
-            return default_weight_loader(param, tensor)
-        start = sum(self.output_sizes[:shard_id])
-        default_weight_loader(param.data.narrow(0, start, self.output_sizes[shard_id]), tensor)
+    def _load_shard(self, param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id: int | None = None) -> None:
+        """Copy this layer's slice of checkpoint tensor `shard_id` (None: the whole fused matrix)."""
+        tensor = as_lazy(tensor)
+        if param.dim() == 2 and self.input_slice is not None:
+            data = tensor.narrow(1, *self.input_slice)  # row-parallel: our columns, all rows
+        elif self.row_starts is not None:
+            shard = shard_id or 0
+            data = tensor.narrow(0, self.row_starts[shard], self.output_sizes[shard])
+        else:
+            data = tensor.read()
+        start = sum(self.output_sizes[:shard_id]) if shard_id is not None else 0
+        size = self.output_sizes[shard_id] if shard_id is not None else param.shape[0]
+        copy_checked(param.data.narrow(0, start, size), data.to(param.dtype))
 
     def prepack(self) -> None:
         """Switch to the packed weight (after loading); the plain copy is released."""
@@ -63,6 +85,9 @@ class Linear(nn.Module):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)

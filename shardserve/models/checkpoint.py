@@ -17,6 +17,7 @@ import torch
 
 from shardserve.config import ConfigError, ModelConfig
 from shardserve.models.gguf_file import GGUFFile
+from shardserve.models.lazy_tensor import LazyTensor
 from shardserve.models.safetensors_files import SafetensorsFiles, read_hf_config
 
 DEFAULT_MODEL = "smollm2"
@@ -46,6 +47,15 @@ class Checkpoint:
         in HF layout (llama.cpp's Q/K row permutation undone). One tensor is materialized at a time.
         A tqdm progress bar over bytes goes to stderr when show_progress."""
         return self.open_files().iter_tensors(show_progress=show_progress)
+
+    def iter_lazy_tensors(self, show_progress: bool = False) -> Iterator[tuple[str, LazyTensor]]:
+        """Like iter_tensors, but each tensor is read only when (and as much as) the consumer asks:
+        a tensor-parallel rank reads just its slice from safetensors. GGUF tensors are dequantized
+        whole, then sliced."""
+        files = self.open_files()
+        if isinstance(files, SafetensorsFiles):
+            return files.iter_lazy_tensors(show_progress=show_progress)
+        return ((name, LazyTensor.of(t)) for name, t in files.iter_tensors(show_progress=show_progress))
 
     def open_files(self) -> SafetensorsFiles | GGUFFile:
         """The lazily-readable files (for per-tensor or per-slice reads)."""

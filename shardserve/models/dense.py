@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2): one implementation, shape-driven.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM2, and with MoE layers from moe.py:
+Mixtral, Qwen2-MoE, Qwen3-MoE): one implementation, shape-driven.
 
 Tokens of all sequences in a step are packed along one axis (`T`), so every matmul sees the whole
 batch; only attention looks at sequence boundaries, through `AttentionMetadata`.
@@ -13,9 +14,15 @@ from torch import nn
 from shardserve.config import ModelConfig
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.attention import AttentionMetadata, paged_attention
-from shardserve.layers.linear import Linear, default_weight_loader, packed_linear, prepack_weight
+from shardserve.engine.kv_cache import KVShape
+from shardserve.layers.linear import Linear, default_weight_loader
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding, apply_rotary
+from shardserve.models.lazy_tensor import LazyTensor, as_lazy
+from shardserve.models.moe import SparseMoeBlock, expert_param_name
+from shardserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.parallel.groups import GroupInfo, ParallelGroups
+from shardserve.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 # checkpoint sub-name -> (our fused parameter sub-name, shard index)
 FUSED_WEIGHTS = {
@@ -28,19 +35,30 @@ FUSED_WEIGHTS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """Self-attention over this rank's heads (all of them with tp=1)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: GroupInfo):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, dtype)
-        self.o_proj = Linear(q_size, [config.hidden_size], False, dtype)
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_heads, config.num_kv_heads, self.head_dim,
+                                          config.attention_bias, dtype, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, False, dtype, tp)
         self.scale = self.head_dim**-0.5
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 KV, D]
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]  # [T, H + KV, D]
+        if self.q_norm is not None:  # Qwen3: normalize each head over D, before rotary
+            q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads :].contiguous()
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [T, H + KV, D]
         # rotate queries and keys in one pass: they are adjacent heads of the fused projection
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos_sin)
+        qk = apply_rotary(qk, cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
@@ -48,23 +66,34 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """SwiGLU MLP; with tp > 1 each rank holds a slice of the intermediate features."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: GroupInfo, intermediate_size: int | None = None):
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], False, dtype)
-        self.down_proj = Linear(size, [config.hidden_size], False, dtype)
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False, dtype, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def build_mlp(config: ModelConfig, dtype: torch.dtype, layer_id: int, groups: ParallelGroups) -> nn.Module:
+    """The dense MLP, or for a sparse layer of an MoE model the MoE block (with its shared expert
+    when the model has one)."""
+    if not config.is_moe_layer(layer_id):
+        return MLP(config, dtype, groups.tp)
+    shared_size = config.shared_expert_intermediate_size
+    return SparseMoeBlock(config, dtype, MLP(config, dtype, groups.tp, shared_size) if shared_size else None)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_id: int, groups: ParallelGroups):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, groups.tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = build_mlp(config, dtype, layer_id, groups)
 
     def forward(self, cos_sin, x, delta, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream [T, hidden], updated in place; delta: the previous layer's MLP
@@ -77,72 +106,95 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """forward(input_ids [T], positions [T]) -> final hidden states [T, hidden];
-    compute_logits(hidden [N, hidden]) -> [N, vocab] float32."""
+    compute_logits(hidden [N, hidden]) -> [N, vocab] float32.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int):
+    In a parallel replica each rank builds only its part: its pipeline stage's layers (the
+    embedding on the first stage, the final norm and head on the last), each layer's tp slice.
+    A stage after the first takes the previous stage's residual stream as `hidden_in`; a stage
+    before the last returns its residual stream instead of normed hidden states."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int,
+                 groups: ParallelGroups | None = None):
         super().__init__()
+        groups = groups or ParallelGroups.single()
         self.config = config
+        self.layer_ids = groups.config.stage_layers(config.num_layers)[groups.pp_rank]
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = None
-        self.packed_lm_head: torch.Tensor | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed_tokens = self.norm = self.lm_head = None
+        if groups.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, groups.tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, layer_id, groups) for layer_id in self.layer_ids)
+        if groups.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, groups.tp)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if hidden_in is None else hidden_in  # [T, hidden]
         cos_sin = self.rotary.lookup(positions)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, delta = layer(cos_sin, x, delta, kv_cache, meta)
+        if self.norm is None:  # not the last stage: pass the residual stream on
+            return x if delta is None else x.add_(delta)
         return self.norm(x, delta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head, None).float()
-        return torch.nn.functional.linear(hidden, self._lm_head_weight()).float()
+    @property
+    def kv_shape(self) -> KVShape:
+        attn = self.layers[0].self_attn
+        return KVShape(len(self.layers), attn.num_kv_heads, attn.head_dim)
 
-    def _lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
     def prepack(self) -> None:
-        """Repack matmul weights for the device's fastest kernels; call once, after loading.
-        A tied head keeps the embedding as is (lookups need it) and packs a copy."""
+        """Repack matmul weights for the device's fastest kernels; call once, after loading."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, ParallelLMHead)):
                 module.prepack()
-        self.packed_lm_head = prepack_weight(self._lm_head_weight())
-        if self.packed_lm_head is not None and self.lm_head is not None:
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into our parameters; every parameter must be set."""
+    def load_weights(self, tensors: Iterable[tuple[str, "torch.Tensor | LazyTensor"]]) -> None:
+        """Copy checkpoint tensors (HF names) into our parameters, each rank reading only its
+        part (other stages' layers are skipped); every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in tensors:
-            if name.startswith("model."):
-                name = name[len("model."):]
-            if name == "lm_head.weight":
-                if self.lm_head is None:
-                    continue  # tied: the embedding serves as the head
-                name = "lm_head"
-            if "rotary_emb" in name:
-                continue
-            shard_id = None
-            for ckpt_part, (fused_part, shard) in FUSED_WEIGHTS.items():
-                if f".{ckpt_part}." in name:
-                    name, shard_id = name.replace(ckpt_part, fused_part), shard
-                    break
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                loader(param, tensor.to(param.dtype), shard_id)
-            loaded.add(name)
+        for ckpt_name, tensor in tensors:
+            for name, shard_id in self._param_names(ckpt_name):
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                with torch.no_grad():
+                    loader(param, as_lazy(tensor), shard_id)
+                loaded.add(name)
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _param_names(self, name: str) -> list[tuple[str, object]]:
+        """Checkpoint name -> [(our parameter name, shard id)] on this rank (none: not ours)."""
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return []
+        if name == "embed_tokens.weight":
+            tied = self.config.tie_word_embeddings and self.lm_head is not None
+            return [(n, None) for n, ours in (("embed_tokens.weight", self.embed_tokens is not None),
+                                              ("lm_head.weight", tied)) if ours]
+        if name in ("lm_head.weight", "norm.weight"):
+            keep = self.lm_head is not None and not (name == "lm_head.weight" and self.config.tie_word_embeddings)
+            return [(name, None)] if keep else []
+        parts = name.split(".")
+        if parts[0] == "layers":
+            layer_id = int(parts[1])
+            if layer_id not in self.layer_ids:
+                return []
+            parts[1] = str(layer_id - self.layer_ids.start)
+            name = ".".join(parts)
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+        expert = expert_param_name(name)
+        if expert is not None:  # routed experts: stacked parameters, shard_id = (expert_id, shard)
+            return [expert]
+        for ckpt_part, (fused_part, shard) in FUSED_WEIGHTS.items():
+            if f".{ckpt_part}." in name:
+                return [(name.replace(ckpt_part, fused_part), shard)]
+        return [(name, None)]

@@ -7,6 +7,10 @@ MODEL_CLASSES = {
     "llama": DecoderModel,
     "mistral": DecoderModel,
     "qwen2": DecoderModel,
+    "qwen3": DecoderModel,
+    "mixtral": DecoderModel,
+    "qwen2_moe": DecoderModel,
+    "qwen3_moe": DecoderModel,
 }
 
 

@@ -12,6 +12,7 @@ tensor-parallel rank needs.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from shardserve.config import ConfigError, ModelConfig
+from shardserve.models.lazy_tensor import LazyTensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -92,6 +94,12 @@ class SafetensorsFiles:
 
     def iter_tensors(self, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) for every weight, each file opened once, tensors read one at a time."""
+        for name, lazy in self.iter_lazy_tensors(show_progress):
+            yield name, lazy.read()
+
+    def iter_lazy_tensors(self, show_progress: bool = False) -> Iterator[tuple[str, LazyTensor]]:
+        """Yield (name, LazyTensor) for every weight; each is readable, whole or in slices, until
+        the next one is yielded (its file stays open only that long)."""
         by_file: dict[Path, list[str]] = {}
         for name, file in self.weight_map.items():
             by_file.setdefault(file, []).append(name)
@@ -100,9 +108,14 @@ class SafetensorsFiles:
             for file, names in by_file.items():
                 with _open(file) as f:
                     for name in names:
-                        tensor = _checked(file, name, f.get_tensor(name))
-                        bar.update(tensor.numel() * tensor.element_size())
-                        yield name, tensor
+                        handle = f.get_slice(name)
+                        if handle.get_dtype() not in _FLOAT_DTYPES:
+                            raise ConfigError(
+                                f"{file}: tensor {name!r} has dtype {handle.get_dtype()}; only float "
+                                "checkpoints are supported (quantized HF checkpoints are not)")
+                        shape = tuple(handle.get_shape())
+                        yield name, LazyTensor(shape, _slice_reader(handle, len(shape)))
+                        bar.update(math.prod(shape) * _FLOAT_DTYPES[handle.get_dtype()])
 
     def _file_of(self, name: str) -> Path:
         file = self.weight_map.get(name)
@@ -149,6 +162,18 @@ def _open(file: Path) -> Iterator:
         raise ConfigError(f"{file}: corrupt or truncated safetensors file ({e})") from None
     with handle as f:
         yield f
+
+
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per element
+
+
+def _slice_reader(handle, ndim: int):
+    def read(dim, start, stop):
+        index = [slice(None)] * ndim
+        if dim is not None:
+            index[dim] = slice(start, stop)
+        return handle[tuple(index)]
+    return read
 
 
 def _checked(file: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:

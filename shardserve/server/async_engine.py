@@ -154,6 +154,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.keep_alive()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

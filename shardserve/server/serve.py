@@ -25,9 +25,11 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     return app, async_engine
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM. The engine loop owns the main thread (see async_engine.py);
-    uvicorn runs on a second thread. If the engine dies, HTTP stays up and answers 503."""
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code. The engine loop owns the main thread
+    (see async_engine.py); uvicorn runs on a second thread. If a single-process engine dies, HTTP
+    stays up and answers 503. If a parallel replica loses a rank, the in-flight requests get
+    their error, and the server exits with 1 so that a supervisor restarts the replica."""
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, async_engine = build_server(engine_config, server_config)
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
@@ -44,7 +46,13 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
     async_engine.run_forever()
-    while not stopping.is_set() and http.is_alive():  # engine died: keep answering 503 until told to stop
+    parallel = engine_config.parallel.world_size > 1
+    if async_engine.error is not None and parallel:
+        logging.getLogger(__name__).error("lost a rank of this replica (%s); exiting", async_engine.error)
+        stopping.wait(1.0)  # let the handlers send the failed requests' errors
+    while not parallel and not stopping.is_set() and http.is_alive():  # keep answering 503 until told to stop
         stopping.wait(0.5)
     server.should_exit = True
     http.join(10)
+    async_engine.engine.shutdown()
+    return 1 if async_engine.error is not None else 0

@@ -1,0 +1,77 @@
+"""The routed experts of one MoE layer: stacked SwiGLU weights and the per-expert loop.
+
+Single-rank math, no collectives. The layer holds `num_local_experts` slots; `local_slots` maps a
+global expert id to its slot, and experts absent from the map contribute zero. Expert parallelism
+gives each rank a different map and sums the partial outputs across ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.layers.activation import silu_and_mul
+from shardserve.layers.linear import default_weight_loader
+
+
+class Experts(nn.Module):
+    """`gate_up` [num_local_experts, 2 * I, H] holds each expert's [gate | up] rows; `down`
+    [num_local_experts, H, I]. Both carry `weight_loader(param, tensor, (expert_id, shard))`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 local_expert_ids: list[int] | None = None):
+        super().__init__()
+        local_expert_ids = list(range(num_experts)) if local_expert_ids is None else local_expert_ids
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.local_slots = {expert_id: slot for slot, expert_id in enumerate(local_expert_ids)}
+        num_local = len(local_expert_ids)
+        self.gate_up = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype),
+                                 requires_grad=False)
+        self.gate_up.weight_loader = self._load
+        self.down.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: tuple[int | None, int | None]) -> None:
+        """shard_id = (expert_id, shard). expert_id None: `tensor` stacks all global experts
+        (transformers' fused in-memory layout); otherwise it is that one expert's matrix.
+        shard 0/1 = the gate/up half of `gate_up`; None = the whole slot. Experts not held here are
+        skipped."""
+        expert_id, shard = shard_id
+        if expert_id is None:
+            if tensor.shape[0] != self.num_experts:
+                raise ValueError(f"stacked tensor has {tensor.shape[0]} experts, expected {self.num_experts}")
+            for global_id in self.local_slots:
+                self._load(param, tensor.narrow(0, global_id, 1)[0], (global_id, shard))
+            return
+        slot = self.local_slots.get(expert_id)
+        if slot is None:
+            return
+        target = param.data[slot]
+        if shard is not None:
+            target = target.narrow(0, shard * self.intermediate_size, self.intermediate_size)
+        default_weight_loader(target, tensor)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; topk_ids [T, k] global expert ids; topk_weights [T, k] float32 -> [T, H],
+        sum over each token's local experts of weight * expert(x). Accumulates in float32."""
+        num_tokens, top_k = topk_ids.shape
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
+        # Group the T*k (token, choice) pairs by expert: pair p = token * k + choice.
+        #   flat_ids: [e(0,0) e(0,1) e(1,0) ...] -- argsort --> pairs of expert 0 | expert 1 | ...
+        flat_ids = topk_ids.flatten()  # [T*k]
+        order = flat_ids.argsort(stable=True)  # [T*k] pair ids, grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync per layer
+        flat_weights = topk_weights.flatten()  # [T*k]
+        start = 0
+        for expert_id, count in enumerate(counts):
+            pairs = order[start:start + count]  # [n]
+            start += count
+            slot = self.local_slots.get(expert_id)
+            if count == 0 or slot is None:
+                continue
+            tokens = pairs // top_k  # [n]
+            h = silu_and_mul(F.linear(x.index_select(0, tokens), self.gate_up[slot]))  # [n, I]
+            h = F.linear(h, self.down[slot])  # [n, H]
+            out.index_add_(0, tokens, h.float() * flat_weights.index_select(0, pairs)[:, None])
+        return out.to(x.dtype)

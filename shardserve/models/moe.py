@@ -1,0 +1,77 @@
+"""Sparse mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE), used in place of the MLP.
+
+    x [T, H] --gate--> router logits [T, E] --route--> top-k (weights, ids) [T, k]
+      |                                                       |
+      +------------------------------> experts(x, ids, weights) -> [T, H]
+      +--> shared_expert(x) * sigmoid(shared_expert_gate(x))  -> [T, H]   (Qwen2-MoE only)
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from shardserve.config import ModelConfig
+from shardserve.layers.experts import Experts
+from shardserve.layers.linear import Linear
+
+# Per-expert checkpoint tensors (Mixtral's w1/w3/w2 or Qwen's gate/up/down) and the stacked form
+# transformers >= 5 holds in memory; both map onto our stacked `experts.gate_up` / `experts.down`.
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+_EXPERT_PARTS = {  # checkpoint part -> (our parameter, shard within it)
+    "w1": ("gate_up", 0), "gate_proj": ("gate_up", 0),
+    "w3": ("gate_up", 1), "up_proj": ("gate_up", 1),
+    "w2": ("down", None), "down_proj": ("down", None),
+    "gate_up_proj": ("gate_up", None),
+}
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
+    Weights are the softmax probabilities (in float32 whatever the logits' dtype) of the k
+    largest experts, rescaled to sum to 1 when `normalize`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    topk_weights, topk_ids = probs.topk(top_k, dim=-1)  # [T, k]
+    if normalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def expert_param_name(name: str) -> tuple[str, tuple[int | None, int | None]] | None:
+    """Checkpoint name of an expert tensor -> (our parameter name, (expert_id, shard)) for
+    `Experts.weight_loader`; None when `name` is not an expert tensor. expert_id None: a stacked
+    tensor over all experts."""
+    match = _PER_EXPERT.match(name)
+    if match:
+        prefix, expert_id, part = match.groups()
+        param, shard = _EXPERT_PARTS[part]
+        return f"{prefix}.{param}", (int(expert_id), shard)
+    match = _STACKED.match(name)
+    if match:
+        prefix, part = match.groups()
+        return f"{prefix}.{_EXPERT_PARTS[part][0]}", (None, None)
+    return None
+
+
+class SparseMoeBlock(nn.Module):
+    """forward(x [T, H]) -> [T, H]. `shared_expert` is an MLP of the shared width whose output is
+    gated per token by sigmoid(shared_expert_gate(x)), or None (Mixtral, Qwen3-MoE)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.top_k, self.normalize = config.num_experts_per_token, config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, [config.num_experts], False, dtype)  # the router
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, dtype)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if shared_expert is not None:
+            self.shared_expert_gate = Linear(config.hidden_size, [1], False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+        out = self.experts(x, topk_ids, topk_weights)  # [T, H]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, H]
+        return out

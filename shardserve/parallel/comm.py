@@ -1,0 +1,37 @@
+"""The collectives our layers use, as thin calls into torch.distributed that do nothing for a
+group of one (so single-process code pays nothing)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardserve.parallel.groups import GroupInfo
+
+
+def all_reduce(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
+    """Sum `x` over the group, in place."""
+    if group.size > 1:
+        dist.all_reduce(x, group=group.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, group: GroupInfo, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order (same shape on every rank)."""
+    if group.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x.contiguous(), group=group.group)
+    return torch.cat(parts, dim=dim)
+
+
+def all_gather_uneven(x: torch.Tensor, counts: list[int], group: GroupInfo) -> torch.Tensor:
+    """Concatenate along dim 0 where rank r holds `counts[r]` rows (gloo has no uneven
+    all_gather: pad every part to the largest, gather, trim)."""
+    if group.size == 1:
+        return x
+    width = max(counts)
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(group.size)]
+    dist.all_gather(parts, padded, group=group.group)
+    return torch.cat([part[:count] for part, count in zip(parts, counts)])

@@ -1,0 +1,65 @@
+"""Vocabulary-parallel embedding and LM head: rank r owns token ids [r V', (r+1) V') with
+V' = ceil(V / tp) (the last rank's tail is padding).
+
+    lookup:  ids [T] -> rows of ids we own, zeros elsewhere [T, hidden] --all_reduce--> [T, hidden]
+    logits:  hidden [N, hidden] -> our vocab slice [N, V'] --all_gather--> [N, tp V'] -> [:, :V]
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.layers.linear import copy_checked, packed_linear, prepack_weight
+from shardserve.models.lazy_tensor import LazyTensor, as_lazy
+from shardserve.parallel.comm import all_gather, all_reduce
+from shardserve.parallel.groups import GroupInfo
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: GroupInfo):
+        super().__init__()
+        self.vocab_size, self.tp = vocab_size, tp
+        self.num_local = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.num_local
+        self.num_real = max(0, min(vocab_size - self.start, self.num_local))  # rows not padding
+        self.weight = nn.Parameter(torch.zeros(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.load
+
+    def load(self, param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id=None) -> None:
+        tensor = as_lazy(tensor)
+        if tensor.shape[0] != self.vocab_size:
+            raise ValueError(f"shape mismatch: vocabulary of {self.vocab_size} vs checkpoint {tuple(tensor.shape)}")
+        rows = tensor.narrow(0, self.start, self.num_real)
+        copy_checked(param.data[: self.num_real], rows.to(param.dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return all_reduce(x, self.tp)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = hidden @ W^T over the full vocabulary, W split by vocabulary rows like the
+    embedding (for tied weights, loaded from the same checkpoint tensor)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: GroupInfo):
+        super().__init__(vocab_size, hidden_size, dtype, tp)
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = prepack_weight(self.weight)
+        if self.packed is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        if self.packed is not None:
+            local = packed_linear(hidden, self.packed, None)  # [N, V']
+        else:
+            local = F.linear(hidden, self.weight)
+        return all_gather(local.float(), self.tp, dim=-1)[:, : self.vocab_size]

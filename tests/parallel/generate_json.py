@@ -1,0 +1,45 @@
+"""Run greedy generation on a (possibly parallel) replica and print one JSON line:
+{"tokens": [[...] per prompt], "logprobs": [[[vocab floats] per generated token] per prompt]}.
+
+Used by the multi-rank tests as a subprocess, so that every rank is a fresh process:
+    python tests/parallel/generate_json.py MODEL --tp 2 --pp 1 --ep 1 --max-tokens 6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from shardserve.llm import LLM
+from shardserve.request import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--num-micro-batches", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=6)
+    args = parser.parse_args()
+    with LLM(args.model, tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, num_micro_batches=args.num_micro_batches,
+             show_progress=False, kv_cache_memory_bytes=1 << 22) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, logprobs=-1))
+    result = {"tokens": [], "logprobs": []}
+    for out in outs:
+        completion = out.outputs[0]
+        result["tokens"].append(completion.token_ids)
+        rows = []
+        for step in completion.logprobs:
+            row = [0.0] * len(step.top)
+            for token_id, value in step.top:
+                row[token_id] = value
+            rows.append(row)
+        result["logprobs"].append(rows)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
