@@ -19,6 +19,7 @@ from shardserve.engine.model_loader import LoadedModel, load_model
 from shardserve.engine.executor import ParallelExecutor
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.worker import Worker
+from shardserve.models.checkpoint import load_checkpoint
 from shardserve.parallel.launch import Ranks, serve_worker_and_exit, start_ranks
 from shardserve.engine.scheduler import Scheduler
 from shardserve.request import (
@@ -36,6 +37,8 @@ class LLMEngine:
         self.config = config
         self.ranks: Ranks | None = None
         if loaded is None and config.parallel.world_size > 1:
+            # a bad path or an impossible layout fails here, in one line, before any rank starts
+            config.parallel.validate(load_checkpoint(config.model).config)
             self.ranks = start_ranks(config)
             if not self.ranks.groups.is_driver:
                 serve_worker_and_exit(config, self.ranks)

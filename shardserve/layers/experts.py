@@ -2,7 +2,9 @@
 
 Single-rank math, no collectives. The layer holds `num_local_experts` slots; `local_slots` maps a
 global expert id to its slot, and experts absent from the map contribute zero. Expert parallelism
-gives each rank a different map and sums the partial outputs across ranks.
+gives each rank a different map (shardserve/parallel/expert.py); tensor parallelism gives each
+rank the slice `intermediate_slice` = (start, length) of every expert's intermediate features,
+and its output is a partial sum.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.layers.activation import silu_and_mul
-from shardserve.layers.linear import default_weight_loader
+from shardserve.layers.linear import copy_checked
+from shardserve.models.lazy_tensor import as_lazy
 
 
 class Experts(nn.Module):
@@ -19,10 +22,12 @@ class Experts(nn.Module):
     [num_local_experts, H, I]. Both carry `weight_loader(param, tensor, (expert_id, shard))`."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 local_expert_ids: list[int] | None = None):
+                 local_expert_ids: list[int] | None = None, intermediate_slice: tuple[int, int] | None = None):
         super().__init__()
         local_expert_ids = list(range(num_experts)) if local_expert_ids is None else local_expert_ids
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_experts, self.full_intermediate_size = num_experts, intermediate_size
+        self.intermediate_slice = intermediate_slice or (0, intermediate_size)
+        intermediate_size = self.intermediate_size = self.intermediate_slice[1]
         self.local_slots = {expert_id: slot for slot, expert_id in enumerate(local_expert_ids)}
         num_local = len(local_expert_ids)
         self.gate_up = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype),
@@ -38,6 +43,7 @@ class Experts(nn.Module):
         shard 0/1 = the gate/up half of `gate_up`; None = the whole slot. Experts not held here are
         skipped."""
         expert_id, shard = shard_id
+        tensor = as_lazy(tensor)
         if expert_id is None:
             if tensor.shape[0] != self.num_experts:
                 raise ValueError(f"stacked tensor has {tensor.shape[0]} experts, expected {self.num_experts}")
@@ -47,10 +53,17 @@ class Experts(nn.Module):
         slot = self.local_slots.get(expert_id)
         if slot is None:
             return
+        start, size = self.intermediate_slice
         target = param.data[slot]
-        if shard is not None:
-            target = target.narrow(0, shard * self.intermediate_size, self.intermediate_size)
-        default_weight_loader(target, tensor)
+        if param is self.down:  # [H, I]: our columns
+            copy_checked(target, as_lazy(tensor).narrow(1, start, size).to(target.dtype))
+            return
+        full = self.full_intermediate_size
+        halves = [shard] if shard is not None else [0, 1]  # gate | up, each [I, H] in the checkpoint
+        for half in halves:
+            offset = 0 if shard is not None else half * full
+            rows = as_lazy(tensor).narrow(0, offset + start, size)
+            copy_checked(target.narrow(0, half * size, size), rows.to(target.dtype))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_ids [T, k] global expert ids; topk_weights [T, k] float32 -> [T, H],
@@ -75,3 +88,18 @@ class Experts(nn.Module):
             h = F.linear(h, self.down[slot])  # [n, H]
             out.index_add_(0, tokens, h.float() * flat_weights.index_select(0, pairs)[:, None])
         return out.to(x.dtype)
+
+    def run_slots(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """x [n, H] rows, slots [n] the local slot to apply to each row -> [n, H], unweighted
+        (expert parallelism weights and sums the rows where they came from)."""
+        out = torch.empty_like(x)  # [n, H]
+        order = slots.argsort(stable=True)
+        counts = torch.bincount(slots, minlength=self.gate_up.shape[0]).tolist()
+        start = 0
+        for slot, count in enumerate(counts):
+            if count:
+                rows = order[start:start + count]  # [c]
+                h = silu_and_mul(F.linear(x.index_select(0, rows), self.gate_up[slot]))  # [c, I]
+                out.index_copy_(0, rows, F.linear(h, self.down[slot]))
+            start += count
+        return out

@@ -84,7 +84,7 @@ def build_mlp(config: ModelConfig, dtype: torch.dtype, layer_id: int, groups: Pa
     if not config.is_moe_layer(layer_id):
         return MLP(config, dtype, groups.tp)
     shared_size = config.shared_expert_intermediate_size
-    return SparseMoeBlock(config, dtype, MLP(config, dtype, groups.tp, shared_size) if shared_size else None)
+    return SparseMoeBlock(config, dtype, MLP(config, dtype, groups.tp, shared_size) if shared_size else None, groups)
 
 
 class DecoderLayer(nn.Module):

@@ -15,6 +15,10 @@ from torch import nn
 from shardserve.config import ModelConfig
 from shardserve.layers.experts import Experts
 from shardserve.layers.linear import Linear
+from shardserve.parallel.comm import all_reduce
+from shardserve.parallel.expert import ExpertParallel, initial_placement
+from shardserve.parallel.groups import ParallelGroups
+from shardserve.parallel.linear import split
 
 # Per-expert checkpoint tensors (Mixtral's w1/w3/w2 or Qwen's gate/up/down) and the stacked form
 # transformers >= 5 holds in memory; both map onto our stacked `experts.gate_up` / `experts.down`.
@@ -57,21 +61,41 @@ def expert_param_name(name: str) -> tuple[str, tuple[int | None, int | None]] | 
 
 class SparseMoeBlock(nn.Module):
     """forward(x [T, H]) -> [T, H]. `shared_expert` is an MLP of the shared width whose output is
-    gated per token by sigmoid(shared_expert_gate(x)), or None (Mixtral, Qwen3-MoE)."""
+    gated per token by sigmoid(shared_expert_gate(x)), or None (Mixtral, Qwen3-MoE).
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shared_expert: nn.Module | None = None):
+    Parallel layouts: with ep > 1 the routed experts are spread over the stage's ranks and tokens
+    travel to them (shardserve/parallel/expert.py); otherwise with tp > 1 every rank holds a
+    1/tp slice of every expert's intermediate features and the partial outputs are all-reduced.
+    The router is replicated; the shared expert is a tensor-parallel MLP either way."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shared_expert: nn.Module | None = None,
+                 groups: ParallelGroups | None = None):
         super().__init__()
+        groups = groups or ParallelGroups.single()
         self.top_k, self.normalize = config.num_experts_per_token, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, [config.num_experts], False, dtype)  # the router
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size, dtype)
+        self.tp, self.expert_parallel = groups.tp, None
+        width = config.moe_intermediate_size
+        if groups.ep.size > 1:
+            placement = initial_placement(config.num_experts, groups.ep.size, groups.config.num_redundant_experts)
+            self.expert_parallel = ExpertParallel(groups.ep, placement)
+            self.experts = Experts(config.num_experts, config.hidden_size, width, dtype,
+                                   local_expert_ids=self.expert_parallel.local_expert_ids())
+        else:
+            local = split(width, groups.tp, "expert intermediate size")
+            self.experts = Experts(config.num_experts, config.hidden_size, width, dtype,
+                                   intermediate_slice=(groups.tp.rank * local, local))
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if shared_expert is not None:
             self.shared_expert_gate = Linear(config.hidden_size, [1], False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
-        out = self.experts(x, topk_ids, topk_weights)  # [T, H]
+        if self.expert_parallel is not None:
+            out = self.expert_parallel.forward(x, self.gate, self.experts, self.top_k, self.normalize)  # [T, H]
+        else:
+            topk_weights, topk_ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+            out = all_reduce(self.experts(x, topk_ids, topk_weights), self.tp)  # [T, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, H]
         return out

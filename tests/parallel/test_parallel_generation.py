@@ -72,10 +72,15 @@ LAYOUTS = [
     ("llama", dict(tp=2, pp=2)),
     ("mistral", dict(tp=2)),  # one KV head, replicated on both ranks
     ("qwen2", dict(pp=2, micro=3)),  # biases; three micro-batches in flight
+    ("mixtral", dict(ep=2)),  # attention repeated on both ranks, experts split, all_to_all
+    ("mixtral", dict(tp=2)),  # every expert split by its intermediate features
+    ("mixtral", dict(tp=2, ep=2)),  # attention tp, experts ep, on the same two ranks
+    ("qwen2_moe", dict(tp=2, ep=2)),  # shared expert (tp) and a dense layer
+    ("qwen3_moe", dict(ep=2, pp=2)),  # q/k norm; four ranks
 ]
 
 
 @pytest.mark.parametrize("family,layout", LAYOUTS, ids=[f"{f}-{'-'.join(f'{k}{v}' for k, v in l.items())}" for f, l in LAYOUTS])
-def test_dense_layouts_match_single_process_and_transformers(tiny_checkpoints, references, family, layout):
+def test_layouts_match_single_process_and_transformers(tiny_checkpoints, references, family, layout):
     single, hf = references(family)
     assert_same(run_layout(tiny_checkpoints[family], **layout), single, hf)
