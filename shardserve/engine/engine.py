@@ -20,6 +20,8 @@ from shardserve.engine.executor import ParallelExecutor
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.worker import Worker
 from shardserve.models.checkpoint import load_checkpoint
+from shardserve.models.moe import expert_load, rebalance_experts
+from shardserve.parallel.expert import ExpertLoadReport
 from shardserve.parallel.launch import Ranks, serve_worker_and_exit, start_ranks
 from shardserve.engine.scheduler import Scheduler
 from shardserve.request import (
@@ -105,23 +107,40 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def expert_load(self) -> ExpertLoadReport:
+        """Expert load per MoE layer since the last rebalance, over all ranks (empty when dense)."""
+        if isinstance(self.runner, ParallelExecutor):
+            return ExpertLoadReport.from_ranks(self.runner.expert_load())
+        return ExpertLoadReport.from_ranks([expert_load(self.runner.model)])
+
+    def rebalance_experts(self) -> None:
+        """Re-place experts from the load observed so far, on the running replica (no restart);
+        outputs do not change, only which rank computes which expert."""
+        if isinstance(self.runner, ParallelExecutor):
+            self.runner.rebalance_experts()
+        else:
+            rebalance_experts(self.runner.model)
+
     def keep_alive(self) -> None:
         """Call when idle: lets the other ranks of a parallel replica know the driver lives."""
         if isinstance(self.runner, ParallelExecutor):
             self.runner.keep_alive()
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a parallel replica (nothing to do in a single process)."""
+        """Stop the other ranks of a parallel replica (nothing to do in a single process). After a
+        failed step (a lost rank) the spawned ranks are killed at once rather than awaited: a
+        survivor can be stuck in that step's collectives until `comm_timeout_s`."""
+        told = True
         if isinstance(self.runner, ParallelExecutor):
             try:
-                self.runner.shutdown()
-            except Exception:  # a peer is already gone: the ranks are closed below regardless
-                pass
-        self._close_ranks()
+                told = self.runner.shutdown()
+            except Exception:  # a peer is already gone: the ranks are killed below
+                told = False
+        self._close_ranks(timeout_s=30.0 if told else 0.0)
 
-    def _close_ranks(self) -> None:
+    def _close_ranks(self, timeout_s: float = 30.0) -> None:
         if self.ranks is not None:
-            self.ranks.close()
+            self.ranks.close(timeout_s)
             self.ranks = None
 
     # --- the loop ------------------------------------------------------------------------------

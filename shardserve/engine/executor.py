@@ -11,15 +11,22 @@ rank that dies breaks the next collective (gloo sees the closed connection), one
 makes it time out after `comm_timeout_s`: either way every survivor raises and exits, and the
 driver fails its in-flight requests. An idle driver sends a Heartbeat every `heartbeat_s` so
 that the workers' wait for the next message never reaches the timeout.
+
+After a driver operation failed part-way the executor is `failed`: survivors may sit in that
+operation's point-to-point receives (which no later message reaches) until `comm_timeout_s`, so
+no Shutdown is sent and the caller kills the ranks it spawned instead of waiting for them.
 """
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from shardserve.engine.interface import Heartbeat, ModelRunnerOutput, SchedulerOutput, Shutdown
+from shardserve.engine.interface import (
+    CollectExpertLoad, Heartbeat, ModelRunnerOutput, RebalanceExperts, SchedulerOutput, Shutdown,
+)
 from shardserve.engine.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -32,20 +39,45 @@ class ParallelExecutor:
         self.heartbeat_s = heartbeat_s
         self._last_sent = time.monotonic()
         self._closed = False
+        self.failed = False
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(sched)
-        return self.worker.execute(sched)
+        with self._failing_on_error():
+            self._send(sched)
+            return self.worker.execute(sched)
+
+    def expert_load(self) -> list[dict]:
+        with self._failing_on_error():
+            self._send(CollectExpertLoad())
+            return self.worker.expert_load()
+
+    def rebalance_experts(self) -> None:
+        with self._failing_on_error():
+            self._send(RebalanceExperts())
+            self.worker.rebalance_experts()
 
     def keep_alive(self) -> None:
         """Call while idle: sends a Heartbeat if nothing went out for `heartbeat_s`."""
         if time.monotonic() - self._last_sent >= self.heartbeat_s:
-            self._send(Heartbeat())
+            with self._failing_on_error():
+                self._send(Heartbeat())
 
-    def shutdown(self) -> None:
-        if not self._closed:
+    def shutdown(self) -> bool:
+        """Tell the workers to exit; True if they were told (now or before). A failed executor
+        sends nothing and returns False: the caller must not wait for the workers."""
+        if not self._closed and not self.failed:
             self._closed = True
-            self._send(Shutdown())
+            with self._failing_on_error():
+                self._send(Shutdown())
+        return not self.failed
+
+    @contextmanager
+    def _failing_on_error(self):
+        try:
+            yield
+        except BaseException:
+            self.failed = True
+            raise
 
     def _send(self, message) -> None:
         dist.broadcast_object_list([message], src=0, group=self.groups.control)
@@ -63,3 +95,7 @@ def run_worker_loop(worker: Worker) -> None:
             return
         if isinstance(message, SchedulerOutput):
             worker.execute(message)
+        elif isinstance(message, CollectExpertLoad):
+            worker.expert_load()
+        elif isinstance(message, RebalanceExperts):
+            worker.rebalance_experts()

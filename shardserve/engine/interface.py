@@ -68,3 +68,13 @@ class Heartbeat:
 @dataclass
 class Shutdown:
     """The replica is stopping: workers leave their loop and exit cleanly."""
+
+
+@dataclass
+class CollectExpertLoad:
+    """Every rank sends the driver its MoE layers' load counters (gather_object)."""
+
+
+@dataclass
+class RebalanceExperts:
+    """Every rank re-places its expert-parallel layers' experts from their observed load."""

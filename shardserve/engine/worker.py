@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.model_runner import ModelRunner
+from shardserve.models.moe import expert_load, rebalance_experts
 from shardserve.parallel.groups import ParallelGroups
 
 
@@ -81,6 +82,16 @@ class Worker:
         self.pipeline.idle_s += idle_s
         self.pipeline.num_steps += 1
         return ModelRunnerOutput(sampled)
+
+    def expert_load(self) -> list[dict] | None:
+        """Every rank's `moe.expert_load`, gathered on the driver (None elsewhere)."""
+        mine = expert_load(self.runner.model)
+        reports = [None] * self.groups.world_size if self.groups.is_driver else None
+        dist.gather_object(mine, reports, dst=0, group=self.groups.control)
+        return reports
+
+    def rebalance_experts(self) -> None:
+        rebalance_experts(self.runner.model)
 
     def _share_sampled(self, sampled: dict[str, SampledToken]) -> dict[str, SampledToken]:
         box = [sampled if self.groups.rank == self.groups.sampler_rank else None]

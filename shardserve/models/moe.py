@@ -16,7 +16,7 @@ from shardserve.config import ModelConfig
 from shardserve.layers.experts import Experts
 from shardserve.layers.linear import Linear
 from shardserve.parallel.comm import all_reduce
-from shardserve.parallel.expert import ExpertParallel, initial_placement
+from shardserve.parallel.expert import ExpertLoadCounter, ExpertParallel, initial_placement, rebalance
 from shardserve.parallel.groups import ParallelGroups
 from shardserve.parallel.linear import split
 
@@ -75,6 +75,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.normalize = config.num_experts_per_token, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, [config.num_experts], False, dtype)  # the router
         self.tp, self.expert_parallel = groups.tp, None
+        self.load = ExpertLoadCounter(torch.zeros(config.num_experts, dtype=torch.long))
         width = config.moe_intermediate_size
         if groups.ep.size > 1:
             placement = initial_placement(config.num_experts, groups.ep.size, groups.config.num_redundant_experts)
@@ -92,10 +93,36 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.expert_parallel is not None:
-            out = self.expert_parallel.forward(x, self.gate, self.experts, self.top_k, self.normalize)  # [T, H]
+            out = self.expert_parallel.forward(x, self.gate, self.experts, self.top_k, self.normalize, self.load)
         else:
             topk_weights, topk_ids = route(self.gate(x), self.top_k, self.normalize)  # [T, k] each
+            self.load.routed += torch.bincount(topk_ids.flatten(), minlength=self.load.routed.numel())
+            self.load.processed += topk_ids.numel()
             out = all_reduce(self.experts(x, topk_ids, topk_weights), self.tp)  # [T, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, 1] * [T, H]
         return out
+
+
+def moe_blocks(model: nn.Module) -> dict[int, SparseMoeBlock]:
+    """This rank's MoE blocks by global layer id."""
+    return {layer_id: layer.mlp for layer_id, layer in zip(model.layer_ids, model.layers)
+            if isinstance(layer.mlp, SparseMoeBlock)}
+
+
+def expert_load(model: nn.Module) -> dict[int, tuple[list[int], int, bool]]:
+    """Per MoE layer of this rank: (tokens routed to each expert from the tokens this rank
+    routed, rows this rank's experts computed, whether the layer is expert-parallel), since the
+    last rebalance."""
+    return {layer_id: (block.load.routed.tolist(), block.load.processed, block.expert_parallel is not None)
+            for layer_id, block in moe_blocks(model).items()}
+
+
+def rebalance_experts(model: nn.Module) -> None:
+    """Re-place every expert-parallel layer's experts from its observed load (a collective over
+    each stage's ranks); with ep == 1 only the counters restart."""
+    for block in moe_blocks(model).values():
+        if block.expert_parallel is not None:
+            rebalance(block.expert_parallel, block.experts, block.load)
+        else:
+            block.load.reset()

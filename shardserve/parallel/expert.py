@@ -21,7 +21,7 @@ across the stage):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,12 +47,15 @@ def initial_placement(num_experts: int, num_ranks: int, num_redundant: int) -> P
 
 def balanced_placement(loads: list[float], num_ranks: int, slots_per_rank: int) -> Placement:
     """A placement for per-expert `loads` (tokens routed to each): every expert at least once,
-    spare slots as replicas of the experts with the highest load per replica, replicas packed
+    spare slots as replicas (at most one per rank) of the experts with the highest load per
+    replica, replicas packed
     heaviest first onto the least-loaded rank that has a free slot and no copy of that expert."""
     num_experts = len(loads)
     num_replicas = [1] * num_experts
     for _ in range(num_ranks * slots_per_rank - num_experts):
-        hottest = max(range(num_experts), key=lambda e: loads[e] / num_replicas[e])
+        # more copies than ranks would put two on one rank, which balances nothing
+        candidates = [e for e in range(num_experts) if num_replicas[e] < num_ranks] or range(num_experts)
+        hottest = max(candidates, key=lambda e: loads[e] / num_replicas[e])
         num_replicas[hottest] += 1
     replicas = sorted(((loads[e] / num_replicas[e], e) for e in range(num_experts) for _ in range(num_replicas[e])),
                       key=lambda item: (-item[0], item[1]))
@@ -77,6 +80,38 @@ def rank_loads(placement: Placement, expert_loads: list[float]) -> list[float]:
 
 
 @dataclass
+class ExpertLoadReport:
+    """The replica's expert load since the last rebalance, per MoE layer (global layer id):
+    `routed[layer][e]` tokens chose expert e; `processed[layer][r]` rows rank r of the layer's
+    stage computed (one entry per rank, in rank order)."""
+
+    routed: dict[int, list[int]]
+    processed: dict[int, list[int]]
+
+    @classmethod
+    def from_ranks(cls, reports: list[dict[int, tuple[list[int], int, bool]]]) -> "ExpertLoadReport":
+        """Combine every rank's `moe.expert_load` (in rank order). An expert-parallel layer's
+        ranks each route their own chunk of tokens, so their counts add up; without ep every
+        rank routes all tokens, and one rank's counts are the layer's."""
+        routed: dict[int, list[int]] = {}
+        processed: dict[int, list[int]] = {}
+        for report in reports:
+            for layer, (counts, rows, is_ep) in report.items():
+                if layer not in routed:
+                    routed[layer] = list(counts)
+                elif is_ep:
+                    routed[layer] = [a + b for a, b in zip(routed[layer], counts)]
+                processed.setdefault(layer, []).append(rows)
+        return cls(routed, processed)
+
+    def imbalance(self, layer: int) -> float:
+        """max / mean of the rows each rank computed (1.0: perfectly even)."""
+        rows = self.processed[layer]
+        mean = sum(rows) / len(rows)
+        return max(rows) / mean if mean else 1.0
+
+
+@dataclass
 class ExpertLoadCounter:
     """Tokens routed to each logical expert (from this rank's chunk) and rows this rank's slots
     processed, since the last reset."""
@@ -95,11 +130,9 @@ class ExpertParallel:
 
     ep: GroupInfo
     placement: Placement
-    load: ExpertLoadCounter = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_experts = 1 + max(e for slots in self.placement for e in slots)
-        self.load = ExpertLoadCounter(torch.zeros(self.num_experts, dtype=torch.long))
         self._index_replicas()
 
     @property
@@ -124,7 +157,8 @@ class ExpertParallel:
         """Token offsets of each rank's chunk: rank r dispatches tokens [b[r], b[r+1])."""
         return [num_tokens * r // self.ep.size for r in range(self.ep.size + 1)]
 
-    def forward(self, x: torch.Tensor, router, experts: Experts, top_k: int, normalize: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router, experts: Experts, top_k: int, normalize: bool,
+                load: ExpertLoadCounter) -> torch.Tensor:
         """x [T, H], the same on every rank of the group -> routed experts' output [T, H]."""
         from shardserve.models.moe import route
 
@@ -132,7 +166,7 @@ class ExpertParallel:
         lo, hi = bounds[self.ep.rank], bounds[self.ep.rank + 1]
         chunk = x[lo:hi]  # [t, H]
         weights, expert_ids = route(router(chunk), top_k, normalize)  # [t, k] each
-        self.load.routed += torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
+        load.routed += torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
         # one replica per (token, choice) pair, alternating between replicas by token index
         token_index = torch.arange(lo, hi).unsqueeze(1).expand_as(expert_ids)  # [t, k]
         copy = token_index % self.num_copies[expert_ids]
@@ -146,7 +180,7 @@ class ExpertParallel:
         pair_token = order // top_k  # [n] row of `chunk` for each sent pair
         rows = self._exchange(chunk.index_select(0, pair_token), recv_splits, send_splits)  # [m, H]
         slots = self._exchange(dest_slot, recv_splits, send_splits)  # [m]
-        self.load.processed += len(slots)
+        load.processed += len(slots)
         results = self._exchange(experts.run_slots(rows, slots), send_splits, recv_splits)  # [n, H]
         out = torch.zeros(chunk.shape, dtype=torch.float32)  # [t, H]
         out.index_add_(0, pair_token, results.float() * weights.flatten()[order].unsqueeze(1))
@@ -156,3 +190,49 @@ class ExpertParallel:
         out = data.new_empty((sum(recv_splits), *data.shape[1:]))
         dist.all_to_all_single(out, data.contiguous(), recv_splits, send_splits, group=self.ep.group)
         return out
+
+
+def apply_placement(ep_layer: ExpertParallel, experts: Experts, new: Placement) -> None:
+    """Move expert weights so that this rank's slots hold `new[ep.rank]`, at runtime. Every rank
+    of the group calls this with the same `new`. A slot whose expert this rank already held is
+    copied locally; any other gets the expert from its first holder in the old placement, by
+    point-to-point transfer (each rank knows the whole plan, so sends and receives pair up)."""
+    old, ep, me = ep_layer.placement, ep_layer.ep, ep_layer.ep.rank
+    width = ep_layer.slots_per_rank
+    source: dict[int, tuple[int, int]] = {}  # expert -> (rank, slot) that sends it
+    for rank, slots in enumerate(old):
+        for slot, expert in enumerate(slots):
+            source.setdefault(expert, (rank, slot))
+    gate_up, down = torch.empty_like(experts.gate_up), torch.empty_like(experts.down)
+    transfers = []
+    for rank, slots in enumerate(new):
+        for slot, expert in enumerate(slots):
+            src_rank, src_slot = source[expert]
+            tag = 2 * (rank * width + slot)
+            if rank == me and expert in old[me]:
+                held = old[me].index(expert)
+                gate_up[slot].copy_(experts.gate_up[held])
+                down[slot].copy_(experts.down[held])
+            elif rank == me:
+                transfers += [dist.irecv(gate_up[slot], ep.ranks[src_rank], tag=tag),
+                              dist.irecv(down[slot], ep.ranks[src_rank], tag=tag + 1)]
+            elif src_rank == me and expert not in old[rank]:
+                transfers += [dist.isend(experts.gate_up[src_slot].contiguous(), ep.ranks[rank], tag=tag),
+                              dist.isend(experts.down[src_slot].contiguous(), ep.ranks[rank], tag=tag + 1)]
+    for transfer in transfers:
+        transfer.wait()
+    experts.gate_up.data, experts.down.data = gate_up, down
+    experts.local_slots = {expert: slot for slot, expert in reversed(list(enumerate(new[me])))}
+    ep_layer.placement = new
+    ep_layer._index_replicas()
+
+
+def rebalance(ep_layer: ExpertParallel, experts: Experts, load: ExpertLoadCounter) -> Placement:
+    """Recompute this layer's placement from the load observed since the last reset (summed over
+    the group), apply it, and reset the counters. Returns the new placement."""
+    routed = load.routed.clone()
+    dist.all_reduce(routed, group=ep_layer.ep.group)
+    new = balanced_placement([float(v) for v in routed], ep_layer.ep.size, ep_layer.slots_per_rank)
+    apply_placement(ep_layer, experts, new)
+    load.reset()
+    return new
