@@ -89,6 +89,16 @@ class ModelConfig:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + norms) + mlp + embed + self.hidden_size
 
+    def active_params_per_layer(self) -> list[int]:
+        """Weights one token multiplies by in each layer (its top-k experts, not all of them):
+        the per-layer cost a pipeline split balances."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        moe_mlp = (self.hidden_size * self.num_experts
+                   + 3 * self.hidden_size * (self.num_experts_per_token * self.moe_intermediate_size
+                                             + self.shared_expert_intermediate_size))
+        return [attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.num_layers)]
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -261,12 +271,39 @@ class ParallelConfig:
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"num_micro_batches={self.num_micro_batches} must be at least 1")
 
-    def stage_layers(self, num_layers: int) -> list[range]:
-        """The global layer ids each pipeline stage runs."""
-        counts = self.pp_layer_partition or [
-            num_layers // self.pp_size + (1 if s < num_layers % self.pp_size else 0) for s in range(self.pp_size)]
+    def stage_layers(self, layer_costs: list[float], last_stage_cost: float = 0.0) -> list[range]:
+        """The global layer ids each pipeline stage runs: `pp_layer_partition` if given, else
+        the contiguous split that minimises the most expensive stage, where a stage costs the
+        sum of its `layer_costs` (plus `last_stage_cost` for the last: the LM head)."""
+        counts = self.pp_layer_partition or _balanced_split(layer_costs, self.pp_size, last_stage_cost)
         starts = [sum(counts[:s]) for s in range(self.pp_size)]
         return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def _balanced_split(costs: list[float], num_parts: int, last_extra: float) -> list[int]:
+    """Sizes of `num_parts` non-empty contiguous runs of `costs` minimising the largest run's
+    sum (the last run also carries `last_extra`); among equals, the earliest cuts.
+    best[p][i]: the best largest sum for the first i costs in p runs."""
+    n = len(costs)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, num_parts + 1):
+        extra = last_extra if p == num_parts else 0.0
+        for i in range(p, n + 1):
+            for j in range(p - 1, i):
+                value = max(best[p - 1][j], prefix[i] - prefix[j] + extra)
+                if value < best[p][i]:
+                    best[p][i], cut[p][i] = value, j
+    sizes, i = [], n
+    for p in range(num_parts, 0, -1):
+        sizes.append(i - cut[p][i])
+        i = cut[p][i]
+    return sizes[::-1]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.model_loader import LoadedModel, load_model
 from shardserve.engine.executor import ParallelExecutor
 from shardserve.engine.model_runner import ModelRunner
-from shardserve.engine.worker import Worker
+from shardserve.engine.worker import StepStats, Worker
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.models.moe import expert_load, rebalance_experts
 from shardserve.parallel.expert import ExpertLoadReport
@@ -112,6 +112,13 @@ class LLMEngine:
         if isinstance(self.runner, ParallelExecutor):
             return ExpertLoadReport.from_ranks(self.runner.expert_load())
         return ExpertLoadReport.from_ranks([expert_load(self.runner.model)])
+
+    def step_stats(self, reset: bool = True) -> list[StepStats]:
+        """Per rank of a parallel replica: step time split into compute, communication and
+        pipeline waiting, summed since the last reset ([] in a single process)."""
+        if isinstance(self.runner, ParallelExecutor):
+            return self.runner.step_stats(reset)
+        return []
 
     def rebalance_experts(self) -> None:
         """Re-place experts from the load observed so far, on the running replica (no restart);

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from shardserve.engine.interface import (
-    CollectExpertLoad, Heartbeat, ModelRunnerOutput, RebalanceExperts, SchedulerOutput, Shutdown,
+    CollectExpertLoad, CollectStepStats, Heartbeat, ModelRunnerOutput, RebalanceExperts, SchedulerOutput, Shutdown,
 )
 from shardserve.engine.worker import Worker
 
@@ -42,19 +42,22 @@ class ParallelExecutor:
         self.failed = False
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        with self._failing_on_error():
-            self._send(sched)
-            return self.worker.execute(sched)
+        return self._everywhere(sched, lambda: self.worker.execute(sched))
 
     def expert_load(self) -> list[dict]:
-        with self._failing_on_error():
-            self._send(CollectExpertLoad())
-            return self.worker.expert_load()
+        return self._everywhere(CollectExpertLoad(), self.worker.expert_load)
+
+    def step_stats(self, reset: bool = True) -> list:
+        return self._everywhere(CollectStepStats(reset), lambda: self.worker.step_stats(reset))
 
     def rebalance_experts(self) -> None:
+        self._everywhere(RebalanceExperts(), self.worker.rebalance_experts)
+
+    def _everywhere(self, message, action):
+        """Send `message` to the workers, then do this rank's part (`action`), as they do theirs."""
         with self._failing_on_error():
-            self._send(RebalanceExperts())
-            self.worker.rebalance_experts()
+            self._send(message)
+            return action()
 
     def keep_alive(self) -> None:
         """Call while idle: sends a Heartbeat if nothing went out for `heartbeat_s`."""
@@ -97,5 +100,7 @@ def run_worker_loop(worker: Worker) -> None:
             worker.execute(message)
         elif isinstance(message, CollectExpertLoad):
             worker.expert_load()
+        elif isinstance(message, CollectStepStats):
+            worker.step_stats(message.reset)
         elif isinstance(message, RebalanceExperts):
             worker.rebalance_experts()

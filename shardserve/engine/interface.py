@@ -78,3 +78,10 @@ class CollectExpertLoad:
 @dataclass
 class RebalanceExperts:
     """Every rank re-places its expert-parallel layers' experts from their observed load."""
+
+
+@dataclass
+class CollectStepStats:
+    """Every rank sends the driver where its step time went (compute, communication, waiting)."""
+
+    reset: bool = True

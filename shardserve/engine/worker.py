@@ -26,17 +26,26 @@ from shardserve.parallel.groups import ParallelGroups
 
 
 @dataclass
-class PipelineStats:
-    """Seconds this rank spent computing and waiting for the previous stage, summed over steps."""
+class StepStats:
+    """Where one rank's step time went, summed over steps:
+    compute_s  running its layers (and the head), communication excluded;
+    comm_s     inside tensor/expert-parallel collectives (all-reduce, all-gather, all-to-all);
+    wait_s     the rest: waiting for other pipeline stages and for the step's sampled tokens
+               (the pipeline bubble, plus a broadcast's own cost)."""
 
-    busy_s: float = 0.0
-    idle_s: float = 0.0
+    rank: int = 0
     num_steps: int = 0
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+
+    @property
+    def wait_s(self) -> float:
+        return max(0.0, self.step_s - self.compute_s - self.comm_s)
 
     @property
     def bubble_fraction(self) -> float:
-        total = self.busy_s + self.idle_s
-        return self.idle_s / total if total else 0.0
+        return self.wait_s / self.step_s if self.step_s else 0.0
 
 
 class Worker:
@@ -45,7 +54,7 @@ class Worker:
         self.groups = groups
         self.hidden_size = runner.model_config.hidden_size
         self.num_micro_batches = groups.config.num_micro_batches or groups.pp_size
-        self.pipeline = PipelineStats()
+        self.stats = StepStats(groups.rank)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -53,8 +62,7 @@ class Worker:
         runner.update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
-        start = time.perf_counter()
-        idle_s = 0.0
+        start, comm_start, compute_s = time.perf_counter(), groups.stats.seconds, 0.0
         sampled: dict[str, SampledToken] = {}
         sends = []
         for seqs in split_micro_batches(sched.seqs, self.num_micro_batches if groups.pp_size > 1 else 1):
@@ -63,9 +71,8 @@ class Worker:
             if not groups.is_first_stage:
                 hidden_in = torch.empty(len(inputs.input_ids), self.hidden_size, dtype=runner.kv_cache.dtype,
                                         device=runner.device)
-                wait_start = time.perf_counter()
                 dist.recv(hidden_in, src=groups.prev_stage_rank)
-                idle_s += time.perf_counter() - wait_start
+            compute_start, comm_before = time.perf_counter(), groups.stats.seconds
             hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.meta, hidden_in)
             if not groups.is_last_stage:
                 sends.append(dist.isend(hidden, dst=groups.next_stage_rank))
@@ -74,13 +81,15 @@ class Worker:
                     sampled.update(runner.sample(inputs, hidden))
                 else:  # the vocab-parallel head is a collective: every last-stage rank takes part
                     runner.model.compute_logits(hidden[inputs.sample_indices])
+            compute_s += time.perf_counter() - compute_start - (groups.stats.seconds - comm_before)
         for send in sends:
             send.wait()
         sampled = self._share_sampled(sampled)
         runner.record(sampled)
-        self.pipeline.busy_s += time.perf_counter() - start - idle_s
-        self.pipeline.idle_s += idle_s
-        self.pipeline.num_steps += 1
+        self.stats.num_steps += 1
+        self.stats.step_s += time.perf_counter() - start
+        self.stats.compute_s += compute_s
+        self.stats.comm_s += groups.stats.seconds - comm_start
         return ModelRunnerOutput(sampled)
 
     def expert_load(self) -> list[dict] | None:
@@ -88,6 +97,14 @@ class Worker:
         mine = expert_load(self.runner.model)
         reports = [None] * self.groups.world_size if self.groups.is_driver else None
         dist.gather_object(mine, reports, dst=0, group=self.groups.control)
+        return reports
+
+    def step_stats(self, reset: bool) -> list[StepStats] | None:
+        """Every rank's StepStats, gathered on the driver (None elsewhere); `reset` restarts them."""
+        reports = [None] * self.groups.world_size if self.groups.is_driver else None
+        dist.gather_object(self.stats, reports, dst=0, group=self.groups.control)
+        if reset:
+            self.stats = StepStats(self.groups.rank)
         return reports
 
     def rebalance_experts(self) -> None:

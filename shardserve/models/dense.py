@@ -118,7 +118,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         groups = groups or ParallelGroups.single()
         self.config = config
-        self.layer_ids = groups.config.stage_layers(config.num_layers)[groups.pp_rank]
+        head_cost = config.vocab_size * config.hidden_size  # the LM head rides on the last stage
+        self.layer_ids = groups.config.stage_layers(config.active_params_per_layer(), head_cost)[groups.pp_rank]
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype)
         self.embed_tokens = self.norm = self.lm_head = None
         if groups.is_first_stage:

@@ -11,7 +11,8 @@ from shardserve.parallel.groups import GroupInfo
 def all_reduce(x: torch.Tensor, group: GroupInfo) -> torch.Tensor:
     """Sum `x` over the group, in place."""
     if group.size > 1:
-        dist.all_reduce(x, group=group.group)
+        with group.stats.timed():
+            dist.all_reduce(x, group=group.group)
     return x
 
 
@@ -20,7 +21,8 @@ def all_gather(x: torch.Tensor, group: GroupInfo, dim: int = -1) -> torch.Tensor
     if group.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x.contiguous(), group=group.group)
+    with group.stats.timed():
+        dist.all_gather(parts, x.contiguous(), group=group.group)
     return torch.cat(parts, dim=dim)
 
 
@@ -33,5 +35,15 @@ def all_gather_uneven(x: torch.Tensor, counts: list[int], group: GroupInfo) -> t
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in range(group.size)]
-    dist.all_gather(parts, padded, group=group.group)
+    with group.stats.timed():
+        dist.all_gather(parts, padded, group=group.group)
     return torch.cat([part[:count] for part, count in zip(parts, counts)])
+
+
+def all_to_all(data: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: GroupInfo) -> torch.Tensor:
+    """Rank r sends rows [sum(send_splits[:q]), +send_splits[q]) of `data` to rank q and gets
+    recv_splits[q] rows from each rank q, concatenated in rank order."""
+    out = data.new_empty((sum(recv_splits), *data.shape[1:]))
+    with group.stats.timed():
+        dist.all_to_all_single(out, data.contiguous(), recv_splits, send_splits, group=group.group)
+    return out

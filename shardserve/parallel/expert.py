@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardserve.layers.experts import Experts
-from shardserve.parallel.comm import all_gather_uneven
+from shardserve.parallel.comm import all_gather_uneven, all_to_all
 from shardserve.parallel.groups import GroupInfo
 
 Placement = tuple[tuple[int, ...], ...]  # [rank][slot] -> logical expert id
@@ -173,23 +173,18 @@ class ExpertParallel:
         target = self.replica_table[expert_ids, copy].flatten()  # [t*k] global slot ids
         order = target.argsort(stable=True)  # pairs grouped by destination rank
         dest_rank, dest_slot = target[order] // self.slots_per_rank, target[order] % self.slots_per_rank
-        send_counts = torch.bincount(dest_rank, minlength=self.ep.size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep.group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        send_counts = torch.bincount(dest_rank, minlength=self.ep.size)  # [ep]
+        ones = [1] * self.ep.size
+        send_splits = send_counts.tolist()
+        recv_splits = all_to_all(send_counts, ones, ones, self.ep).tolist()  # the counts go first
         pair_token = order // top_k  # [n] row of `chunk` for each sent pair
-        rows = self._exchange(chunk.index_select(0, pair_token), recv_splits, send_splits)  # [m, H]
-        slots = self._exchange(dest_slot, recv_splits, send_splits)  # [m]
+        rows = all_to_all(chunk.index_select(0, pair_token), recv_splits, send_splits, self.ep)  # [m, H]
+        slots = all_to_all(dest_slot, recv_splits, send_splits, self.ep)  # [m]
         load.processed += len(slots)
-        results = self._exchange(experts.run_slots(rows, slots), send_splits, recv_splits)  # [n, H]
+        results = all_to_all(experts.run_slots(rows, slots), send_splits, recv_splits, self.ep)  # [n, H]
         out = torch.zeros(chunk.shape, dtype=torch.float32)  # [t, H]
         out.index_add_(0, pair_token, results.float() * weights.flatten()[order].unsqueeze(1))
         return all_gather_uneven(out.to(x.dtype), [b - a for a, b in zip(bounds, bounds[1:])], self.ep)
-
-    def _exchange(self, data: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> torch.Tensor:
-        out = data.new_empty((sum(recv_splits), *data.shape[1:]))
-        dist.all_to_all_single(out, data.contiguous(), recv_splits, send_splits, group=self.ep.group)
-        return out
 
 
 def apply_placement(ep_layer: ExpertParallel, experts: Experts, new: Placement) -> None:

@@ -11,11 +11,31 @@ both ranks run attention on every token, and split the experts).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch.distributed as dist
 
 from shardserve.config import ParallelConfig
+
+
+@dataclass
+class CommStats:
+    """Seconds this rank spent inside collectives and transfers (shared by all its groups)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
 
 
 @dataclass(frozen=True)
@@ -26,6 +46,7 @@ class GroupInfo:
     size: int = 1
     group: dist.ProcessGroup | None = None
     ranks: tuple[int, ...] = (0,)  # global ranks, in group order
+    stats: CommStats = field(default_factory=CommStats, compare=False)
 
 
 @dataclass(frozen=True)
@@ -36,6 +57,7 @@ class ParallelGroups:
     ep: GroupInfo  # the whole stage when ep > 1
     pp_rank: int
     control: dist.ProcessGroup | None  # gloo group over all ranks: step plans and sampled tokens
+    stats: CommStats = field(default_factory=CommStats, compare=False)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -46,17 +68,19 @@ class ParallelGroups:
         """Create the groups; every rank must call this, in the same order of calls (as
         `dist.new_group` requires), after `dist.init_process_group`."""
         stage_size, tp_size = config.stage_size, config.tp_size
+        stats = CommStats()
         tp = ep = None
         for stage in range(config.pp_size):
             first = stage * stage_size
             for start in range(first, first + stage_size, tp_size):
-                found = _new_group(tuple(range(start, start + tp_size)), rank)
+                found = _new_group(tuple(range(start, start + tp_size)), rank, stats)
                 tp = tp or found
             if config.ep_size > 1:
-                found = _new_group(tuple(range(first, first + stage_size)), rank)
+                found = _new_group(tuple(range(first, first + stage_size)), rank, stats)
                 ep = ep or found
         control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        return cls(config, rank, tp or GroupInfo(), ep or GroupInfo(), rank // stage_size, control)
+        return cls(config, rank, tp or GroupInfo(stats=stats), ep or GroupInfo(stats=stats), rank // stage_size,
+                   control, stats)
 
     @property
     def world_size(self) -> int:
@@ -93,9 +117,9 @@ class ParallelGroups:
         return self.rank + self.config.stage_size
 
 
-def _new_group(ranks: tuple[int, ...], rank: int) -> GroupInfo | None:
+def _new_group(ranks: tuple[int, ...], rank: int, stats: CommStats) -> GroupInfo | None:
     """`dist.new_group(ranks)` (which every rank must call); this rank's view if it is a member."""
     group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
     if rank not in ranks:
         return None
-    return GroupInfo(ranks.index(rank), len(ranks), group, ranks)
+    return GroupInfo(ranks.index(rank), len(ranks), group, ranks, stats)

@@ -75,7 +75,8 @@ def start_ranks(config: EngineConfig) -> Ranks:
     init_method = f"tcp://{par.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
     children = None
     if local_size > 1:
-        children = mp.start_processes(_spawned_rank_main, args=(config, first_rank, init_method, local_size),
+        children = mp.start_processes(_spawned_rank_main,
+                                      args=(config, first_rank, init_method, local_size, os.getpid()),
                                       nprocs=local_size - 1, join=False, start_method="spawn")
     try:
         _init_process_group(config, first_rank, init_method, local_size)
@@ -130,9 +131,10 @@ def worker_exit(rank: int, exc: BaseException | None) -> None:
     os._exit(1)
 
 
-def _spawned_rank_main(index: int, config: EngineConfig, first_rank: int, init_method: str, local_size: int) -> None:
+def _spawned_rank_main(index: int, config: EngineConfig, first_rank: int, init_method: str, local_size: int,
+                       parent_pid: int) -> None:
     rank = first_rank + 1 + index
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     try:
         _init_process_group(config, rank, init_method, local_size)
         serve_as_worker(config, ParallelGroups.build(config.parallel, rank))
@@ -151,10 +153,12 @@ def _init_process_group(config: EngineConfig, rank: int, init_method: str, local
                             timeout=timedelta(seconds=config.parallel.comm_timeout_s))
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died while this process started: no signal will come
+            os._exit(1)
 
 
 def _free_port() -> int:

@@ -35,6 +35,12 @@ class ServerMetrics:
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", labels, buckets=_LATENCY_BUCKETS_S, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency", labels, buckets=_LATENCY_BUCKETS_S, registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled", labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.expert_tokens = Gauge("shardserve:expert_load_tokens", "Tokens routed to each expert since the last "
+                                   "expert rebalance", labels + ["layer", "expert"], registry=r)
+        self.expert_imbalance = Gauge("shardserve:expert_load_imbalance", "max / mean of the expert rows each "
+                                      "rank computed since the last rebalance (1 = even)", labels + ["layer"], registry=r)
+        self.expert_load_interval_s = 5.0
+        self._last_expert_load = float("-inf")
         self.model_name = model_name
         # create every series up front, so a scrape shows them (at 0) before the first request
         for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
@@ -59,6 +65,17 @@ class ServerMetrics:
         now = time.monotonic()
         for out in outputs:
             self._observe_output(out, now)
+        if engine.model_config.is_moe and now - self._last_expert_load >= self.expert_load_interval_s:
+            self._last_expert_load = now
+            self._observe_expert_load(engine)
+
+    def _observe_expert_load(self, engine: LLMEngine) -> None:
+        """Expert load is gathered from every rank (a collective), so only every few seconds."""
+        report = engine.expert_load()
+        for layer, counts in report.routed.items():
+            for expert, count in enumerate(counts):
+                self.expert_tokens.labels(self.model_name, str(layer), str(expert)).set(count)
+            self.expert_imbalance.labels(self.model_name, str(layer)).set(report.imbalance(layer))
 
     def _add_delta(self, counter: Counter, key: str, total: int) -> None:
         if total > self._seen[key]:
