@@ -1,6 +1,12 @@
 """Parallel scaling: one small model under tp in {1, 2} x pp in {1, 2}, with each rank's step
 time split into compute, communication and pipeline waiting.
 
+Model
+    A Llama-shaped model with random weights, generated locally once (transformers, cached in
+    ~/.cache/shardserve-bench/): hidden 512, 8 layers, 8 heads, 4 KV heads, MLP 1536, vocab
+    32000, ~60M parameters. (SmolLM2's 9 heads do not split over tp=2.) `--model` takes any
+    other checkpoint.
+
 What it measures
     For every layout, the same fixed workload (16 requests, 64-token random prompts, 32 greedy
     output tokens each, EOS ignored) through `LLMEngine` with that layout; the ranks are real
@@ -21,7 +27,7 @@ Caveat
     core (or GPU) per rank would get.
 
 Run
-    .venv/bin/python benchmarks/parallel_scaling.py [--model smollm2] [--num-requests 16]
+    .venv/bin/python benchmarks/parallel_scaling.py [--model PATH] [--num-requests 16]
     Each layout runs in a child process (a fresh process group); progress goes to stderr, the
     table to stdout, a plot to benchmarks/results/parallel_scaling.png, and the last line is
     `RESULT {json}` (also saved as benchmarks/results/parallel_scaling.json). About 2 minutes.
@@ -40,13 +46,34 @@ RESULTS = Path(__file__).parent / "results"
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
+SYNTHETIC = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+
+
+def synthetic_model() -> str:
+    """Write (once) the random Llama described in the module docstring; return its folder."""
+    folder = Path.home() / ".cache" / "shardserve-bench" / "llama-60m-random"
+    if not (folder / "model.safetensors").exists():
+        import torch
+        import transformers
+
+        sys.path.insert(0, str(Path(__file__).parents[1]))
+        from tests.conftest import write_tokenizer
+
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(bos_token_id=0, eos_token_id=1, **SYNTHETIC))
+        model.save_pretrained(folder)
+        write_tokenizer(folder)
+    return str(folder)
+
+
 def run_layout(args: argparse.Namespace) -> dict:
     """In the child: run the workload under one layout, return its figures."""
     from shardserve.config import CacheConfig, EngineConfig, ParallelConfig
     from shardserve.engine.engine import LLMEngine
     from shardserve.request import SamplingParams
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, show_progress=False,
+    config = EngineConfig(model=args.model, dtype=args.dtype, show_progress=False, max_model_len=1024,
                           cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
                           parallel=ParallelConfig(tp_size=args.tp, pp_size=args.pp))
     engine = LLMEngine(config)
@@ -108,7 +135,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default=None, help="default: the synthetic 60M Llama")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -119,6 +146,7 @@ def main() -> None:
     if args.tp is not None:
         print(json.dumps(run_layout(args)))
         return
+    args.model = args.model or synthetic_model()
     results = []
     for tp, pp in LAYOUTS:
         print(f"[parallel_scaling] tp={tp} pp={pp} ...", file=sys.stderr, flush=True)

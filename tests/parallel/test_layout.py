@@ -46,7 +46,7 @@ def test_world_size_is_pp_times_the_larger_of_tp_and_ep():
 def test_stages_balance_layer_cost_with_the_head_on_the_last_stage():
     config = ParallelConfig(pp_size=2)
     assert config.stage_layers([1.0] * 30) == [range(0, 15), range(15, 30)]
-    # a head as costly as 8 layers: 19 + 0 vs 11 + 8 is the best split of 38
+    # a head as costly as 8 layers: 19 vs 11 + 8 is the best split of 38
     assert config.stage_layers([1.0] * 30, last_stage_cost=8.0) == [range(0, 19), range(19, 30)]
     assert config.stage_layers([5.0, 1, 1, 1, 1, 1]) == [range(0, 1), range(1, 6)]
     explicit = ParallelConfig(pp_size=2, pp_layer_partition=(1, 3))
