@@ -139,3 +139,27 @@ def test_killed_driver_takes_its_ranks_along(tiny_checkpoints, tmp_path):
         all_gone_after_s = time.monotonic() - killed_at
         assert not left, f"left behind {all_gone_after_s:.0f} s after the kill: {[p.pid for p in left]}"
         assert all_gone_after_s < FAIL_FAST_S, f"the ranks took {all_gone_after_s:.1f} s to go"
+
+
+def test_hung_worker_is_detected_by_the_timeout(tiny_checkpoints, tmp_path):
+    """A rank that stops answering (SIGSTOP) is caught by the 20 s collective timeout: the stream
+    fails, the server exits 1 and every rank, the stopped one included, is gone within 30 s."""
+    model, log_path = tiny_checkpoints["llama"], tmp_path / "serve.log"
+    with parallel_server(model, log_path) as (base_url, proc):
+        server = psutil.Process(proc.pid)
+        ranks = spawned_ranks(server)
+        tree = server.children(recursive=True)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model=str(model), prompt="The quick brown fox", max_tokens=400,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        stopped_at = None
+        with pytest.raises(openai.APIError):
+            for num_chunks, _ in enumerate(stream, 1):
+                if num_chunks == TOKENS_BEFORE_KILL:
+                    ranks[-1].send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        assert stopped_at is not None
+        assert proc.wait(EXIT_WITHIN_S - (time.monotonic() - stopped_at)) == 1
+        left = wait_all_gone(tree, EXIT_WITHIN_S - (time.monotonic() - stopped_at))
+        assert not left, f"left behind: {[p.pid for p in left]}"
+        print(f"hung rank detected; everything gone {time.monotonic() - stopped_at:.1f} s after SIGSTOP")
