@@ -91,6 +91,15 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where another replica left a request: the tokens it generated and how many characters of
+    their text the client already has."""
+
+    output_token_ids: tuple[int, ...]
+    num_text_chars: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     """The scheduler's record of one request. Token ids grow as tokens are sampled;

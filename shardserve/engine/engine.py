@@ -25,7 +25,7 @@ from shardserve.parallel.expert import ExpertLoadReport
 from shardserve.parallel.launch import Ranks, serve_worker_and_exit, start_ranks
 from shardserve.engine.scheduler import Scheduler
 from shardserve.request import (
-    CompletionOutput, FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, TokenLogprob,
+    CompletionOutput, Resume, FinishReason, InvalidRequestError, Request, RequestOutput, SamplingParams, TokenLogprob,
 )
 
 
@@ -67,9 +67,15 @@ class LLMEngine:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
+                    priority: int = 0, arrival_time: float | None = None,
+                    resume: "Resume | None" = None) -> Request:
         """Queue a request. Raises InvalidRequestError for an empty prompt, a prompt that does not
-        fit the context window, or token ids outside the vocabulary."""
+        fit the context window, or token ids outside the vocabulary.
+
+        `resume` continues a request another replica started: its output tokens so far are taken
+        as generated here (recomputed like after a preemption), so a greedy or seeded request
+        goes on with exactly the tokens it would have produced there, and the text already
+        delivered (`resume.num_text_chars`) is not sent again."""
         params = params or SamplingParams()
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequestError("prompt is empty", "prompt")
@@ -81,8 +87,15 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids, priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        if resume is not None:
+            self.validate_resume(token_ids, params, resume.output_token_ids)
+            req.output_token_ids = list(resume.output_token_ids)
+            for token_id in resume.output_token_ids:
+                detokenizer.push(token_id)
+            detokenizer.num_emitted_chars = min(resume.num_text_chars, len(detokenizer.text))
         self.scheduler.add_request(req)
-        self._detokenizers[req_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        self._detokenizers[req_id] = detokenizer
         self._prompts[req_id] = prompt if isinstance(prompt, str) else None
         if params.logprobs is not None:
             self._logprobs[req_id] = []
@@ -99,6 +112,15 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+
+    def validate_resume(self, prompt_ids: list[int], params: SamplingParams, ids) -> None:
+        """Raise InvalidRequestError unless `ids` can be a request's output so far."""
+        if not ids:
+            raise InvalidRequestError("resume_token_ids is empty", "resume_token_ids")
+        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+            raise InvalidRequestError(f"resume token ids must be in [0, {self.model_config.vocab_size})", "resume_token_ids")
+        if len(ids) >= params.max_tokens or len(prompt_ids) + len(ids) >= self.max_model_len:
+            raise InvalidRequestError("the resumed request has no token budget left", "resume_token_ids")
 
     def abort_request(self, req_id: str) -> RequestOutput | None:
         req = self.scheduler.finish_request(req_id, FinishReason.ABORT)

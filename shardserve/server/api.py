@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve import __version__
-from shardserve.request import InvalidRequestError, RequestOutput
+from shardserve.request import InvalidRequestError, RequestOutput, Resume
 from shardserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestSpec, RequestStream
 from shardserve.server.metrics import ServerMetrics
 from shardserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -40,6 +40,7 @@ class Call:
     prompt_tokens: int
     echo_prefixes: list[str]
     include_usage: bool
+    num_resumed_tokens: int = 0  # output tokens another replica already produced (resume)
 
 
 def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str, model_info: dict | None = None) -> FastAPI:
@@ -76,8 +77,19 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
                     params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed)
                 except InvalidRequestError as exc:
                     raise APIError(400, str(exc), exc.param) from None
-                specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.priority))
+                specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.effective_priority, resume(body, ids, params)))
         return specs
+
+    def resume(body, ids: list[int], params) -> Resume | None:
+        if body.resume_token_ids is None:
+            return None
+        if body.n != 1 or len(_split_prompts(getattr(body, "prompt", ""))) != 1:
+            raise APIError(400, "resume_token_ids needs exactly one prompt and n = 1", "resume_token_ids")
+        try:
+            engine.validate_resume(ids, params, body.resume_token_ids)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        return Resume(tuple(body.resume_token_ids), body.resume_text_chars)
 
     @app.get("/health")
     async def health():
@@ -105,9 +117,12 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
         prompts = _split_prompts(body.prompt)
         ids = [prompt_ids(p) for p in prompts]
         specs = make_specs(body, ids, body.logprobs, body.max_tokens)
-        echo = [p if isinstance(p, str) and body.echo else "" for p in prompts for _ in range(body.n)]
-        builder = ResponseBuilder("completion", f"cmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs is not None)
-        call = Call(specs, builder, sum(len(i) for i in ids), echo, bool(body.stream_options and body.stream_options.include_usage))
+        echo_wanted = body.echo and body.resume_token_ids is None  # a resumed stream has sent its echo
+        echo = [p if isinstance(p, str) and echo_wanted else "" for p in prompts for _ in range(body.n)]
+        builder = ResponseBuilder("completion", f"cmpl-{uuid.uuid4().hex}", model_name, tokenizer,
+                                  body.logprobs is not None, body.return_token_ids)
+        call = Call(specs, builder, sum(len(i) for i in ids), echo, bool(body.stream_options and body.stream_options.include_usage),
+                    len(body.resume_token_ids or ()))
         return await _answer(async_engine, call, body.stream, request)
 
     @app.post("/v1/chat/completions")
@@ -121,8 +136,10 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
         ids = prompt_ids(text, add_special_tokens=False)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         specs = make_specs(body, [ids], num_logprobs, body.max_completion_tokens or body.max_tokens)
-        builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs)
-        call = Call(specs, builder, len(ids), [""] * len(specs), bool(body.stream_options and body.stream_options.include_usage))
+        builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs,
+                                  body.return_token_ids)
+        call = Call(specs, builder, len(ids), [""] * len(specs), bool(body.stream_options and body.stream_options.include_usage),
+                    len(body.resume_token_ids or ()))
         return await _answer(async_engine, call, body.stream, request)
 
     return app
@@ -191,10 +208,10 @@ async def _sse(call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
         await merged.put((index, None))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    completion_tokens, open_choices = 0, len(streams)
+    completion_tokens, open_choices = call.num_resumed_tokens, len(streams)
     try:
         for index, prefix in enumerate(call.echo_prefixes):
-            if prefix or call.builder.kind == "chat":
+            if prefix or (call.builder.kind == "chat" and not call.num_resumed_tokens):
                 yield _event(call.builder.chunk(index, None, prefix, first=True))
         while open_choices:
             index, item = await merged.get()
@@ -205,7 +222,7 @@ async def _sse(call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
                 yield _event(error_body(503, f"generation failed: {item}"))
                 break
             completion_tokens += len(item.new_token_ids)
-            if item.new_text or item.finished:
+            if item.new_text or item.finished or (call.builder.want_token_ids and item.new_token_ids):
                 yield _event(call.builder.chunk(index, item, item.new_text))
         if call.include_usage:
             yield _event(call.builder.usage_chunk(call.prompt_tokens, completion_tokens))

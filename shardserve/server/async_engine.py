@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shardserve.engine.engine import LLMEngine
-from shardserve.request import RequestOutput, SamplingParams
+from shardserve.request import RequestOutput, Resume, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class RequestSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    resume: Resume | None = None
 
 
 class RequestStream:
@@ -187,7 +188,8 @@ class AsyncEngine:
             if spec.req_id not in self._streams:
                 continue  # its client left before the engine saw it
             try:
-                self.engine.add_request(spec.req_id, spec.prompt_token_ids, spec.params, spec.priority, arrival)
+                self.engine.add_request(spec.req_id, spec.prompt_token_ids, spec.params, spec.priority, arrival,
+                                        spec.resume)
             except Exception as exc:  # validated by the caller; anything left is still its error
                 self._deliver(spec.req_id, exc)
             self._num_waiting = self.engine.scheduler.num_waiting

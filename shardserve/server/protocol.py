@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from shardserve.request import SamplingParams
 
 
+BATCH_PRIORITY = 10  # lower runs first: interactive requests default to 0
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -43,7 +46,17 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # "batch" work runs after interactive work (a worse priority) and is preempted first
     request_class: Literal["interactive", "batch"] | None = None
+    # for a router: each choice's token ids in the response; and continuing a request another
+    # replica started (n == 1): its output tokens so far and the characters already delivered
+    return_token_ids: bool = False
+    resume_token_ids: list[int] | None = None
+    resume_text_chars: int = Field(default=0, ge=0)
+
+    @property
+    def effective_priority(self) -> int:
+        return max(self.priority, BATCH_PRIORITY) if self.request_class == "batch" else self.priority
 
     def sampling_params(self, default_max_tokens: int, num_logprobs: int | None, seed: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

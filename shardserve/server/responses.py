@@ -43,8 +43,10 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
 class ResponseBuilder:
     """Formats one API call's outputs; `index` is the choice index (prompt * n + sample)."""
 
-    def __init__(self, kind: str, response_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool):
+    def __init__(self, kind: str, response_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool,
+                 want_token_ids: bool = False):
         self.kind = kind  # "completion" | "chat"
+        self.want_token_ids = want_token_ids
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -70,6 +72,8 @@ class ResponseBuilder:
                 choice["text"] = prefix + comp.text
             else:
                 choice["message"] = {"role": "assistant", "content": comp.text}
+            if self.want_token_ids:
+                choice["token_ids"] = list(comp.token_ids)
             choices.append(choice)
         completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
         return {**self._envelope(False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -87,6 +91,8 @@ class ResponseBuilder:
         else:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if self.want_token_ids:
+            choice["token_ids"] = list(out.new_token_ids) if out is not None else []
         return {**self._envelope(True), "choices": [choice]}
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

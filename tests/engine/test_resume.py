@@ -1,0 +1,47 @@
+"""Resuming a request from another replica's tokens: the continuation is the tokens and text
+the uninterrupted run produced (greedy and seeded), without repeating delivered text."""
+from __future__ import annotations
+
+import pytest
+
+from shardserve.config import CacheConfig, EngineConfig
+from shardserve.engine.engine import LLMEngine
+from shardserve.request import InvalidRequestError, Resume, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoints):
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), show_progress=False,
+                                  cache=CacheConfig(kv_cache_memory_bytes=1 << 22)))
+
+
+def stream(engine, req_id, prompt, params, resume=None):
+    engine.add_request(req_id, prompt, params, resume=resume)
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append((out.new_text, list(out.new_token_ids)))
+            final = out
+    return pieces, final
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                                    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("cut", [1, 9, 20])
+def test_resumed_request_continues_exactly(engine, params, cut):
+    prompt = "The quick brown fox"
+    pieces, full = stream(engine, f"full-{cut}", prompt, params)
+    tokens = full.outputs[0].token_ids
+    # what a client had after `cut` tokens: their ids, and the text streamed with them
+    delivered_text = "".join(text for text, _ in pieces[:cut])
+    resumed_pieces, resumed = stream(engine, f"resumed-{cut}", prompt, params,
+                                     Resume(tuple(tokens[:cut]), len(delivered_text)))
+    assert resumed.outputs[0].token_ids == tokens
+    assert sum((ids for _, ids in resumed_pieces), []) == tokens[cut:]
+    assert delivered_text + "".join(text for text, _ in resumed_pieces) == full.outputs[0].text
+
+
+def test_resume_without_budget_is_rejected(engine):
+    with pytest.raises(InvalidRequestError, match="no token budget left"):
+        engine.add_request("r", "hi", SamplingParams(max_tokens=2), resume=Resume((5, 6)))
