@@ -107,6 +107,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server)
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from shardserve.config import RouterConfig
+    from shardserve.router.policies import make_policy
+    from shardserve.router.serve import run_router
+
+    make_policy(args.policy)  # an unknown policy fails here, in one line
+    config = RouterConfig(
+        replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
+        max_outstanding_per_replica=args.max_outstanding_per_replica, probe_interval_s=args.probe_interval,
+        eject_after_failures=args.eject_after_failures, stall_timeout_s=args.stall_timeout,
+        max_attempts=args.max_attempts, log_level=args.log_level,
+    )
+    return run_router(config)
+
+
+def add_route_parser(sub) -> None:
+    route = sub.add_parser("route", help="an OpenAI-compatible gateway over several replicas")
+    route.add_argument("--replica", action="append", default=[], metavar="URL",
+                       help="a replica's base URL (repeat; more can be added at /admin/replicas)")
+    route.add_argument("--policy", default="least_outstanding",
+                       help="round_robin | least_outstanding | power_of_two | prefix_aware")
+    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--port", type=int, default=8080)
+    route.add_argument("--max-outstanding-per-replica", type=int, default=64,
+                       help="in-flight requests that saturate a replica; with all saturated, answer 429")
+    route.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
+    route.add_argument("--eject-after-failures", type=int, default=3)
+    route.add_argument("--stall-timeout", type=float, default=10.0,
+                       help="seconds without data after which a stream moves to another replica")
+    route.add_argument("--max-attempts", type=int, default=3, help="replicas one request may try")
+    route.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    route.set_defaults(func=cmd_route)
+
+
 def read_config_file(argv: list[str] | None) -> dict:
     """Values of `--config FILE.yaml` (keys are flag names, dashes or underscores), or {}."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -155,6 +189,7 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     from shardserve.bench.cli_args import add_bench_parser
 
     add_bench_parser(sub)
+    add_route_parser(sub)
     if serve_defaults:
         from shardserve.config import ConfigError
 

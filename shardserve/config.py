@@ -330,3 +330,32 @@ class ServerConfig:
     served_model_name: str | None = None  # defaults to the --model value
     max_waiting_requests: int = 256  # beyond this many unscheduled requests, answer 429
     log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The gateway in front of a fleet of replicas (shardserve/router/)."""
+
+    replicas: tuple[str, ...] = ()  # base URLs, e.g. http://10.0.0.5:8000
+    policy: str = "least_outstanding"  # round_robin | least_outstanding | power_of_two | prefix_aware
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # a replica with this many requests in flight through the router is saturated
+    max_outstanding_per_replica: int = 64
+    # batch-class requests are admitted only while the fleet is below this share of its capacity
+    batch_capacity_fraction: float = 0.5
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 2.0
+    eject_after_failures: int = 3  # consecutive failed requests or probes
+    eject_base_s: float = 2.0  # first ejection; doubles on each failed half-open probe
+    eject_max_s: float = 30.0
+    stall_timeout_s: float = 10.0  # no byte for this long mid-stream: the replica stalled
+    first_token_timeout_s: float = 120.0  # before the first chunk (queueing and prefill)
+    max_attempts: int = 3  # replicas one request may try (first try, retries and resumes)
+    prefix_chars: int = 256  # prefix-aware routing keys on this much of the prompt
+    prefix_load_slack: float = 1.25  # ... unless its replica is this much above the mean load
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.max_outstanding_per_replica < 1:
+            raise ConfigError("max_attempts and max_outstanding_per_replica must be at least 1")

@@ -18,13 +18,16 @@ def running_server(*args: str, startup_timeout_s: float = 120):
         yield base_url, proc
 
 
-def scrape(base_url: str, name: str) -> float:
-    """Sum of a metric's samples (all label sets) in the server's /metrics."""
+def scrape(base_url: str, name: str, default: float | None = None) -> float:
+    """Sum of a metric's samples (all label sets) in the server's /metrics; `default` when it
+    has none (KeyError without a default)."""
     total, found = 0.0, False
     for line in httpx.get(f"{base_url}/metrics", timeout=5).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
             found = True
     if not found:
+        if default is not None:
+            return default
         raise KeyError(name)
     return total

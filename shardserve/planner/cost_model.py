@@ -1,30 +1,39 @@
 """Analytic cost model of one engine step: per-op roofline with efficiency factors, plus collectives.
 
-Layout of a deployment (`Parallelism`): a replica is `pp` pipeline stages of `tp` ranks each.
-Attention and dense MLPs are tensor-sharded over the tp ranks of a stage. MoE experts are split
-into `ep` groups over those same ranks (ep divides tp): each rank holds num_experts / ep experts,
-each expert tensor-sharded tp / ep ways (the "moe_tp x moe_ep = tp" layout; ep = tp is plain
-expert parallelism). KV heads are split over tp, one replicated head per rank when tp > kv heads.
-
-Time rule of `step_time` (latency of one batch through all stages, on one tp rank chain):
+A `Deployment` is one replica: model, ParallelConfig (the engine's own layout, see rank_shards),
+device, dtype and efficiency factors. Per rank of each pipeline stage, for one micro-batch:
 
     gemm      = max(gemm_flops / (peak * eff.gemm),      weight_bytes_read / (mem_bw * eff.memory))
     attention = max(attn_flops / (peak * eff.attention), kv_bytes_read     / (mem_bw * eff.memory))
-    total     = gemm + attention + comm (tp all-reduce, ep all-to-all, pp p2p; / eff.network) + overhead
+    stage     = gemm + attention + comm (collectives and the p2p send on, at link bw * eff.network)
 
-Everything is per rank: FLOPs and bytes divided by the sharding. Activation traffic, norms, rotary
-and sampling are left to the per-step overhead. Uncalibrated factors are guesses (see Efficiency).
+and a step of m micro-batches through pp stages takes the classic pipeline time
+
+    step = sum(stage) + (m - 1) * max(stage) + eff.step_overhead_s
+
+(the first micro-batch crosses every stage, the others follow at the slowest stage's pace;
+m = num_micro_batches, default pp, at most one per sequence; m = 1 without pipeline).
+Communication per layer: tp all-reduce of [T, h] after attention and after a dense or ep = 1 MoE
+MLP; with ep > 1 a dispatch and a combine all-to-all of each rank's T/ep * k rows and an
+all-gather of [T, h] over the stage (plus the shared expert's all-reduce). The embedding
+all-reduces over tp, the LM head all-gathers the logits, stages hand [T, h] on point-to-point.
+A group that spans more devices than a node has uses the NIC. Norms, rotary, activations and
+sampling are left to the per-step overhead. Uncalibrated factors are guesses (see Efficiency).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from shardserve.config import ConfigError
-from shardserve.planner.collectives import all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
+from shardserve.config import ConfigError, ModelConfig, ParallelConfig
+from shardserve.planner.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
+from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.model_shape import ModelShape, Parallelism, validate_layout
+from shardserve.planner.rank_shards import (
+    StagePlan, attention_linear_params_per_rank, dense_mlp_params_per_rank, expert_params, kv_heads_per_rank,
+    routed_expert_params_per_rank, shared_expert_params_per_rank, stage_plans,
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float8": 1, "float32": 4}
 
@@ -36,32 +45,30 @@ def dtype_bytes_of(dtype: str) -> int:
 
 
 @dataclass(frozen=True)
-class Efficiency:
-    """Achieved fraction of peak per op class, and a fixed cost per engine step.
+class Deployment:
+    """One replica as the cost model sees it. Validates the layout on construction (the engine's
+    ParallelConfig.validate) and derives the pipeline stages once."""
 
-    Defaults are uncalibrated priors from the literature (docs: planner-anchors.md):
-    gemm 0.7 ("up to 0.7 for inference", llm-analysis); attention 0.5 (FlashAttention-2 forward
-    reaches ~50-70% of peak; decode attention is memory-bound anyway); memory 0.8 (aiconfigurator's
-    empirical HBM scaling factor); network 0.7 (NCCL ring bus bandwidth vs link peak);
-    step_overhead_s 2 ms (scheduling, input prep, sampling, launches per Python engine step)."""
-
-    gemm: float = 0.7
-    attention: float = 0.5
-    memory: float = 0.8
-    network: float = 0.7
-    step_overhead_s: float = 2e-3
-    calibrated: bool = False
+    model: ModelConfig
+    parallel: ParallelConfig
+    hardware: Hardware
+    dtype: str = "bfloat16"
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    stages: tuple[StagePlan, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "attention", "memory", "network"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ConfigError(f"Efficiency.{name} must be in (0, 1], got {getattr(self, name)}")
-        if self.step_overhead_s < 0:
-            raise ConfigError("Efficiency.step_overhead_s must be >= 0")
+        self.parallel.validate(self.model)
+        dtype_bytes_of(self.dtype)
+        self.hardware.peak_flop_s_for(self.dtype)
+        object.__setattr__(self, "stages", stage_plans(self.model, self.parallel))
 
     @property
-    def label(self) -> str:
-        return "calibrated" if self.calibrated else "uncalibrated"
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class LayerFlops:
 
     qkv_flops: float
     o_flops: float
-    mlp_flops: float  # dense MLP, or active routed + shared experts
+    mlp_flops: float  # dense MLP, or active routed experts + shared expert (and its gate)
     router_flops: float
     attention_flops: float
 
@@ -93,96 +100,55 @@ def num_attended_pairs(num_tokens: int, context_len: int) -> int:
     return num_tokens * (context_len - num_tokens) + num_tokens * (num_tokens + 1) // 2
 
 
-def _layer_gemm_flops(shape: ModelShape, num_tokens: int) -> tuple[float, float, float, float]:
-    t, h, d = num_tokens, shape.hidden_size, shape.head_dim
-    qkv = 2 * t * h * d * (shape.num_heads + 2 * shape.num_kv_heads)
-    o = 2 * t * shape.num_heads * d * h
-    if not shape.is_moe:
-        return qkv, o, 2 * t * 3 * h * shape.intermediate_size, 0
-    experts_per_token = shape.num_experts_per_token + shape.num_shared_experts
-    return qkv, o, 2 * t * experts_per_token * shape.expert_params, 2 * t * h * shape.num_experts
-
-
-def layer_flops(shape: ModelShape, num_tokens: int, context_len: int) -> LayerFlops:
-    """FLOPs (2 per multiply-add) of one layer for `num_tokens` new tokens at `context_len`:
+def layer_flops(model: ModelConfig, num_tokens: int, context_len: int, layer_id: int = 0) -> LayerFlops:
+    """FLOPs (2 per multiply-add) of layer `layer_id` for `num_tokens` new tokens at `context_len`:
 
         qkv   = 2 T h d (heads + 2 kv_heads)        o = 2 T heads d h
-        mlp   = 2 T 3 h I                            (dense)
-              = 2 T (k + shared) 3 h I_e             (MoE, plus router = 2 T h E)
+        mlp   = 2 T 3 h I                            (dense layer)
+              = 2 T (k 3 h I_e + 3 h I_s + h)        (MoE layer; shared expert and gate if any)
+        router = 2 T h E                             (MoE layer)
         attn  = 4 heads d * num_attended_pairs(T, C) (QK^T and PV; = 4 T C heads d for decode)
     """
-    qkv, o, mlp, router = _layer_gemm_flops(shape, num_tokens)
-    attention = 4 * shape.num_heads * shape.head_dim * num_attended_pairs(num_tokens, context_len)
-    return LayerFlops(qkv, o, mlp, router, attention)
+    t, h, d = num_tokens, model.hidden_size, model.head_dim
+    qkv = 2 * t * h * d * (model.num_heads + 2 * model.num_kv_heads)
+    o = 2 * t * model.num_heads * d * h
+    attention = 4 * model.num_heads * d * num_attended_pairs(num_tokens, context_len)
+    if not model.is_moe_layer(layer_id):
+        return LayerFlops(qkv, o, 2 * t * 3 * h * model.intermediate_size, 0, attention)
+    active = model.num_experts_per_token * expert_params(model) + shared_expert_params_per_rank(model, 1)
+    return LayerFlops(qkv, o, 2 * t * active, 2 * t * h * model.num_experts, attention)
 
 
-def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
-    # tp > kv heads: each rank keeps one (replicated) kv head.
-    return max(1, shape.num_kv_heads // tp)
-
-
-def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
-    """K and V of every layer: 2 * layers * kv_heads * head_dim * bytes (MoE does not change it)."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
-
-
-def kv_bytes_per_token_per_rank(shape: ModelShape, par: Parallelism, dtype_bytes: int) -> int:
-    """KV bytes per token on the busiest rank: 2 * ceil(layers / pp) * kv_heads_per_rank * head_dim * bytes."""
-    validate_layout(shape, par)
-    layers = math.ceil(shape.num_layers / par.pp)
-    return 2 * layers * kv_heads_per_rank(shape, par.tp) * shape.head_dim * dtype_bytes
-
-
-def _layer_params_per_rank(shape: ModelShape, par: Parallelism) -> tuple[int, int]:
-    """(params every token reads, routed-expert params) of one layer on one rank."""
-    h, d = shape.hidden_size, shape.head_dim
-    attn = 2 * h * d * shape.num_heads // par.tp + 2 * h * d * kv_heads_per_rank(shape, par.tp)
-    norms = 2 * h  # replicated on every rank
-    if not shape.is_moe:
-        return attn + 3 * h * shape.intermediate_size // par.tp + norms, 0
-    # num_experts / ep experts per rank, each sharded tp / ep ways; router replicated.
-    routed = (shape.num_experts // par.ep) * shape.expert_params // (par.tp // par.ep)
-    shared = shape.num_shared_experts * shape.expert_params // par.tp
-    return attn + h * shape.num_experts + shared + norms, routed
-
-
-def weight_bytes_per_rank(shape: ModelShape, par: Parallelism, dtype_bytes: int) -> int:
-    """Weight bytes on the most loaded rank: ceil(layers / pp) layers' shards, plus the vocab
-    matrices sharded by tp (pp = 1: embedding + head, one matrix when tied; pp > 1: the first stage
-    holds the embedding and the last the head, one vocab matrix each) and the final norm."""
-    validate_layout(shape, par)
-    layers = math.ceil(shape.num_layers / par.pp)
-    vocab_matrix = shape.vocab_size * shape.hidden_size // par.tp
-    num_vocab_matrices = 2 if par.pp == 1 and not shape.tie_word_embeddings else 1
-    params = layers * sum(_layer_params_per_rank(shape, par)) + num_vocab_matrices * vocab_matrix + shape.hidden_size
-    return params * dtype_bytes
-
-
-def max_batch_tokens(shape: ModelShape, par: Parallelism, hw: Hardware, dtype_bytes: int,
-                     mem_fraction: float = 0.9) -> int:
-    """KV-cache tokens that fit beside the weights on the busiest rank:
-    floor((memory * mem_fraction - weight_bytes_per_rank) / kv_bytes_per_token_per_rank), at least 0."""
-    free_bytes = hw.memory_bytes * mem_fraction - weight_bytes_per_rank(shape, par, dtype_bytes)
-    return max(0, int(free_bytes // kv_bytes_per_token_per_rank(shape, par, dtype_bytes)))
+def fraction_of_experts_hit(model: ModelConfig, num_tokens: float) -> float:
+    """Expected fraction of routed experts that at least one of `num_tokens` tokens picks, under
+    uniform routing: 1 - (1 - k / E)^T. Only those experts' weights are read in a step."""
+    if not model.is_moe:
+        return 0.0
+    return 1.0 - (1.0 - model.num_experts_per_token / model.num_experts) ** num_tokens
 
 
 @dataclass(frozen=True)
 class BatchSummary:
     """A step's batch in aggregate: one prompt chunk of `num_prefill_tokens` ending a context of
-    `prefill_context_len` tokens, plus `num_decode_seqs` decodes at `decode_context_len` each."""
+    `prefill_context_len` tokens, plus `num_decode_seqs` decodes at `decode_context_len` each.
+    The planner passes steady-state means here, so the decode fields may be fractional."""
 
     num_prefill_tokens: int = 0
     prefill_context_len: int = 0
-    num_decode_seqs: int = 0
-    decode_context_len: int = 0
+    num_decode_seqs: float = 0
+    decode_context_len: float = 0
 
 
 @dataclass(frozen=True)
 class _BatchLoad:
-    num_tokens: int  # new tokens through the GEMMs
-    num_pairs: int  # attended (query, key) pairs
-    num_context_tokens: int  # KV entries read
-    num_seqs: int  # rows that reach the LM head
+    num_tokens: float  # new tokens through the GEMMs
+    num_pairs: float  # attended (query, key) pairs
+    num_context_tokens: float  # KV entries read
+    num_seqs: float  # rows that reach the LM head
+
+    def split(self, num_parts: int) -> "_BatchLoad":
+        return _BatchLoad(self.num_tokens / num_parts, self.num_pairs / num_parts,
+                          self.num_context_tokens / num_parts, self.num_seqs / num_parts)
 
 
 def _batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> _BatchLoad:
@@ -192,7 +158,7 @@ def _batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> _BatchLoad:
         prefill_pairs = num_attended_pairs(b.num_prefill_tokens, b.prefill_context_len) if prefill_seqs else 0
         return _BatchLoad(
             num_tokens=b.num_prefill_tokens + b.num_decode_seqs,
-            num_pairs=prefill_pairs + b.num_decode_seqs * num_attended_pairs(1, b.decode_context_len),
+            num_pairs=prefill_pairs + b.num_decode_seqs * b.decode_context_len,
             num_context_tokens=prefill_seqs * b.prefill_context_len + b.num_decode_seqs * b.decode_context_len,
             num_seqs=prefill_seqs + b.num_decode_seqs,
         )
@@ -208,10 +174,11 @@ def _batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> _BatchLoad:
 class StepTime:
     """Seconds of one engine step (one batch through every pipeline stage) and why.
 
-    gemm_s / attention_s are compute times, memory_s the weight + KV read time; total_s is
-    max(gemm_s, weight read) + max(attention_s, KV read) + comm_s + overhead_s, so it is not the
-    sum of the fields. `bottleneck` is the largest of: compute (op classes whose compute time
-    wins their roofline), memory (those whose memory time wins), network (comm_s), overhead."""
+    gemm_s / attention_s are compute times, memory_s the weight + KV read time, comm_s the
+    collectives and pipeline sends, each weighted like the step (sum over stages + (m - 1) times
+    the slowest stage's). total_s takes the roofline max per stage, so it is not the sum of the
+    fields. `bottleneck` is the largest of: compute (op classes whose compute time wins their
+    roofline), memory (those whose memory time wins), network (comm_s), overhead."""
 
     gemm_s: float
     attention_s: float
@@ -229,88 +196,138 @@ class StepTime:
         return f"step {self.total_s * 1e3:.3f} ms ({self.bottleneck}-bound, {label}): {parts}"
 
 
-def fraction_of_experts_hit(shape: ModelShape, num_tokens: int) -> float:
-    """Expected fraction of routed experts that at least one of `num_tokens` tokens picks, under
-    uniform routing: 1 - (1 - k / E)^T. Only those experts' weights are read in a step."""
-    if not shape.is_moe:
-        return 0.0
-    return 1.0 - (1.0 - shape.num_experts_per_token / shape.num_experts) ** num_tokens
+@dataclass(frozen=True)
+class _StageParts:
+    """One stage's times for one micro-batch, on one of its ranks."""
+
+    gemm_s: float
+    weight_s: float
+    attention_s: float
+    kv_s: float
+    comm_s: float
+
+    @property
+    def total_s(self) -> float:
+        return max(self.gemm_s, self.weight_s) + max(self.attention_s, self.kv_s) + self.comm_s
 
 
-def _comm_time_s(shape: ModelShape, par: Parallelism, hw: Hardware, dtype_bytes: int,
-                 num_tokens: int, network_eff: float) -> float:
-    """tp: 2 all-reduces of T*h activations per layer; with ep > 1 the MoE one becomes a dispatch
-    and a combine all-to-all of T*k*h per ep share (+ an all-reduce over the tp/ep expert shards);
-    pp: one p2p of T*h activations per stage boundary. A group larger than a node uses the NIC."""
-    def link(group_size: int) -> tuple[float, float]:
-        if group_size <= hw.devices_per_node:
-            return hw.intra_node_bandwidth_bytes_s * network_eff, hw.intra_node_latency_s
-        return hw.inter_node_bandwidth_bytes_s * network_eff, hw.inter_node_latency_s
-
-    act_bytes = num_tokens * shape.hidden_size * dtype_bytes
-    bw, lat = link(par.tp)
-    if par.tp > 1 and bw <= 0:
-        raise ConfigError(f"{hw.name} has no link for tp={par.tp}")
-    per_layer = ring_allreduce_time_s(act_bytes, par.tp, bw, lat) if par.tp > 1 else 0.0
-    if par.ep > 1:
-        routed_bytes = act_bytes * shape.num_experts_per_token / par.ep
-        per_layer += 2 * all_to_all_time_s(routed_bytes, par.ep, bw, lat)
-        per_layer += ring_allreduce_time_s(routed_bytes, par.tp // par.ep, bw, lat)
+def _link(dep: Deployment, crosses_nodes: bool) -> tuple[float, float]:
+    """(bandwidth after the network efficiency, per-step latency) of the intra- or inter-node link."""
+    hw = dep.hardware
+    if crosses_nodes:
+        bw, lat = hw.inter_node_bandwidth_bytes_s, hw.inter_node_latency_s
     else:
-        per_layer *= 2
-    total = shape.num_layers * per_layer
-    if par.pp > 1:
-        bw, lat = link(par.world_size)
-        if bw <= 0:
-            raise ConfigError(f"{hw.name} has no link for pp={par.pp}")
-        total += (par.pp - 1) * p2p_time_s(act_bytes, bw, lat)
+        bw, lat = hw.intra_node_bandwidth_bytes_s, hw.intra_node_latency_s
+    if bw <= 0:
+        kind = "inter-node" if crosses_nodes else "intra-node"
+        raise ConfigError(f"{hw.name} has no {kind} link for layout tp={dep.parallel.tp_size} "
+                          f"pp={dep.parallel.pp_size} ep={dep.parallel.ep_size}")
+    return bw * dep.efficiency.network, lat
+
+
+def _group_link(dep: Deployment, group_size: int) -> tuple[float, float]:
+    # groups are runs of consecutive ranks, and consecutive ranks share a node
+    return _link(dep, group_size > dep.hardware.devices_per_node)
+
+
+def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> float:
+    model, par = dep.model, dep.parallel
+    tp, ep, h, b = par.tp_size, par.ep_size, model.hidden_size, dep.dtype_bytes
+    act_bytes = load.num_tokens * h * b
+    tp_allreduce = ring_allreduce_time_s(act_bytes, tp, *_group_link(dep, tp)) if tp > 1 else 0.0
+    # per layer: after attention; after a dense MLP; after an ep = 1 MoE MLP (and its shared expert)
+    total = stage.num_layers * tp_allreduce + stage.num_dense_layers * tp_allreduce
+    if stage.num_moe_layers:
+        moe = tp_allreduce if model.shared_expert_intermediate_size else 0.0
+        if ep == 1:
+            moe += tp_allreduce
+        else:
+            link = _group_link(dep, par.stage_size)
+            routed_bytes = load.num_tokens / ep * model.num_experts_per_token * h * b  # one rank's rows
+            moe += 2 * all_to_all_time_s(routed_bytes, ep, *link) + all_gather_time_s(act_bytes, ep, *link)
+        total += stage.num_moe_layers * moe
+    if stage.is_first:  # vocab-parallel embedding: zero outside the shard, then all-reduce
+        total += tp_allreduce
+    if stage.is_last and tp > 1:  # the LM head's [N, V/tp] logits gathered to [N, V]
+        total += all_gather_time_s(load.num_seqs * model.vocab_size * b, tp, *_group_link(dep, tp))
+    if not stage.is_last:  # residual stream to the next stage's rank at the same position
+        last_rank, next_rank = (index + 1) * par.stage_size - 1, (index + 1) * par.stage_size
+        per_node = dep.hardware.devices_per_node
+        total += p2p_time_s(act_bytes, *_link(dep, last_rank // per_node != next_rank // per_node))
     return total
 
 
-def step_time(shape: ModelShape, par: Parallelism, hw: Hardware, dtype: str,
-              batch: Sequence[tuple[int, int]] | BatchSummary, efficiency: Efficiency | None = None) -> StepTime:
-    """Time one step of `batch`: (num_new_tokens, context_len) per sequence, or a BatchSummary.
-    Weights and KV use `dtype`; see the module docstring for the rule."""
-    validate_layout(shape, par)
-    eff = efficiency or Efficiency()
-    dtype_bytes, peak_flop_s = dtype_bytes_of(dtype), hw.peak_flop_s_for(dtype)
-    load = _batch_load(batch)
-    h, num_layers = shape.hidden_size, shape.num_layers
-    qkv, o, mlp, router = _layer_gemm_flops(shape, load.num_tokens)
-    head_flops = 2 * load.num_seqs * h * shape.vocab_size / par.tp
-    gemm_flops = num_layers * ((qkv + o + mlp) / par.tp + router) + head_flops
-    attn_flops = num_layers * 4 * shape.num_heads * shape.head_dim * load.num_pairs / par.tp
-    # Bytes one rank chain reads: every layer's shard once (routed experts only when hit), the
-    # head shard, and the K/V of every context token for this rank's kv heads.
-    always, routed = _layer_params_per_rank(shape, par)
-    layer_params = always + routed * fraction_of_experts_hit(shape, load.num_tokens)
-    weight_read_bytes = (num_layers * layer_params + shape.vocab_size * h / par.tp) * dtype_bytes
-    kv_token_bytes = 2 * num_layers * kv_heads_per_rank(shape, par.tp) * shape.head_dim * dtype_bytes
-    kv_read_bytes = load.num_context_tokens * kv_token_bytes
-
-    mem_bw = hw.memory_bandwidth_bytes_s * eff.memory
-    gemm_s, weight_s = gemm_flops / (peak_flop_s * eff.gemm), weight_read_bytes / mem_bw
-    attention_s, kv_s = attn_flops / (peak_flop_s * eff.attention), kv_read_bytes / mem_bw
-    comm_s = _comm_time_s(shape, par, hw, dtype_bytes, load.num_tokens, eff.network)
-    compute_part = sum(c for c, m in ((gemm_s, weight_s), (attention_s, kv_s)) if c >= m)
-    memory_part = sum(m for c, m in ((gemm_s, weight_s), (attention_s, kv_s)) if m > c)
-    parts = {"compute": compute_part, "memory": memory_part, "network": comm_s, "overhead": eff.step_overhead_s}
-    return StepTime(
-        gemm_s=gemm_s, attention_s=attention_s, memory_s=weight_s + kv_s, comm_s=comm_s,
-        overhead_s=eff.step_overhead_s,
-        total_s=max(gemm_s, weight_s) + max(attention_s, kv_s) + comm_s + eff.step_overhead_s,
-        bottleneck=max(parts, key=parts.__getitem__), calibrated=eff.calibrated,
+def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> _StageParts:
+    model, par, eff = dep.model, dep.parallel, dep.efficiency
+    tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
+    tokens = load.num_tokens
+    # Params every token multiplies by, and params read from memory, on this rank.
+    token_params = (stage.num_layers * attention_linear_params_per_rank(model, tp)
+                    + stage.num_dense_layers * dense_mlp_params_per_rank(model, tp))
+    gemm_flops, read_params = 2 * tokens * token_params, float(token_params)
+    if stage.num_moe_layers:
+        shared = shared_expert_params_per_rank(model, tp)
+        # ep = 1: every rank routes all tokens through tp slices; ep > 1: each routes its 1/ep chunk
+        # and runs whole experts on the rows sent to it (even load assumed)
+        routed_rows = tokens * model.num_experts_per_token / ep
+        row_params = expert_params(model) / (tp if ep == 1 else 1)
+        router_tokens = tokens / ep
+        per_layer_flops = 2 * (tokens * shared + router_tokens * h * model.num_experts + routed_rows * row_params)
+        resident = routed_expert_params_per_rank(model, par) * fraction_of_experts_hit(model, tokens)
+        gemm_flops += stage.num_moe_layers * per_layer_flops
+        read_params += stage.num_moe_layers * (shared + h * model.num_experts + resident)
+    if stage.is_last:  # LM head on one row per sequence
+        head_params = math.ceil(model.vocab_size / tp) * h
+        gemm_flops += 2 * load.num_seqs * head_params
+        read_params += head_params
+    attn_flops = stage.num_layers * 4 * (model.num_heads / tp) * model.head_dim * load.num_pairs
+    kv_token_bytes = 2 * stage.num_layers * kv_heads_per_rank(model, tp) * model.head_dim * dep.dtype_bytes
+    peak_flop_s = dep.hardware.peak_flop_s_for(dep.dtype)
+    mem_bw = dep.hardware.memory_bandwidth_bytes_s * eff.memory
+    return _StageParts(
+        gemm_s=gemm_flops / (peak_flop_s * eff.gemm), weight_s=read_params * dep.dtype_bytes / mem_bw,
+        attention_s=attn_flops / (peak_flop_s * eff.attention),
+        kv_s=load.num_context_tokens * kv_token_bytes / mem_bw, comm_s=_stage_comm_s(dep, stage, index, load),
     )
 
 
-def prefill_time(shape: ModelShape, par: Parallelism, hw: Hardware, dtype: str, prompt_len: int,
-                 num_seqs: int = 1, efficiency: Efficiency | None = None) -> StepTime:
+def _num_micro_batches(par: ParallelConfig, num_seqs: float) -> int:
+    if par.pp_size == 1:
+        return 1
+    # the engine cuts a step's sequences into micro-batches: never more than there are sequences
+    return max(1, min(par.num_micro_batches or par.pp_size, int(num_seqs)))
+
+
+def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepTime:
+    """Time one step of `batch`: (num_new_tokens, context_len) per sequence, or a BatchSummary.
+    See the module docstring for the rule."""
+    load = _batch_load(batch)
+    num_micro = _num_micro_batches(dep.parallel, load.num_seqs)
+    micro = load.split(num_micro)
+    parts = [_stage_parts(dep, stage, i, micro) for i, stage in enumerate(dep.stages)]
+    slowest = max(parts, key=lambda p: p.total_s)
+
+    def weighted(name: str) -> float:
+        return sum(getattr(p, name) for p in parts) + (num_micro - 1) * getattr(slowest, name)
+
+    gemm_s, weight_s, attention_s, kv_s, comm_s = (
+        weighted(n) for n in ("gemm_s", "weight_s", "attention_s", "kv_s", "comm_s"))
+    overhead_s = dep.efficiency.step_overhead_s
+    total_s = sum(p.total_s for p in parts) + (num_micro - 1) * slowest.total_s + overhead_s
+    pairs = ((gemm_s, weight_s), (attention_s, kv_s))
+    shares = {"compute": sum(c for c, m in pairs if c >= m), "memory": sum(m for c, m in pairs if m > c),
+              "network": comm_s, "overhead": overhead_s}
+    return StepTime(
+        gemm_s=gemm_s, attention_s=attention_s, memory_s=weight_s + kv_s, comm_s=comm_s, overhead_s=overhead_s,
+        total_s=total_s, bottleneck=max(shares, key=shares.__getitem__), calibrated=dep.efficiency.calibrated,
+    )
+
+
+def prefill_time(dep: Deployment, prompt_len: int, num_seqs: int = 1) -> StepTime:
     """One step that prefills `num_seqs` whole prompts of `prompt_len` tokens (no cached prefix)."""
-    return step_time(shape, par, hw, dtype, [(prompt_len, prompt_len)] * num_seqs, efficiency)
+    return step_time(dep, [(prompt_len, prompt_len)] * num_seqs)
 
 
-def decode_step_time(shape: ModelShape, par: Parallelism, hw: Hardware, dtype: str, batch_size: int,
-                     context_len: int, efficiency: Efficiency | None = None) -> StepTime:
+def decode_step_time(dep: Deployment, batch_size: float, context_len: float) -> StepTime:
     """One decode step of `batch_size` sequences, each attending to `context_len` tokens."""
-    summary = BatchSummary(num_decode_seqs=batch_size, decode_context_len=context_len)
-    return step_time(shape, par, hw, dtype, summary, efficiency)
+    return step_time(dep, BatchSummary(num_decode_seqs=batch_size, decode_context_len=context_len))

@@ -60,7 +60,7 @@ class Hardware:
         return self.peak_flop_s[dtype]
 
 
-def _normalize(name: str) -> str:
+def normalize_device_name(name: str) -> str:
     # "H100 SXM", "h100-sxm" and "h100_sxm" all name the same device.
     return re.sub(r"[^a-z0-9.]", "", name.lower())
 
@@ -133,9 +133,9 @@ def load_catalog(path: str | Path | None = None) -> dict[str, Hardware]:
 def get_hardware(name: str, catalog: dict[str, Hardware] | None = None) -> Hardware:
     """Look a device up by name or alias, ignoring case, spaces, dashes and underscores."""
     catalog = catalog if catalog is not None else load_catalog()
-    wanted = _normalize(name)
+    wanted = normalize_device_name(name)
     for hw in catalog.values():
-        if wanted in {_normalize(hw.name), *(_normalize(a) for a in hw.aliases)}:
+        if wanted in {normalize_device_name(hw.name), *(normalize_device_name(a) for a in hw.aliases)}:
             return hw
     known = ", ".join(sorted(catalog))
     raise ConfigError(f"unknown hardware {name!r}; known: {known}")

@@ -20,7 +20,9 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     model_name = server_config.served_model_name or engine_config.model
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, server_config.max_waiting_requests, on_step=metrics.observe_step)
-    info = {"dtype": engine_config.dtype, "device": engine_config.device}
+    par = engine_config.parallel
+    info = {"dtype": engine_config.dtype, "device": engine_config.device,
+            "layout": {"tp": par.tp_size, "pp": par.pp_size, "ep": par.ep_size, "world_size": par.world_size}}
     app = build_app(async_engine, metrics, model_name, info)
     return app, async_engine
 

@@ -1,29 +1,46 @@
-"""Cost model: hand-computed FLOPs, bytes, collectives, memory fit and roofline behaviour."""
+"""Cost model: hand-computed FLOPs, bytes, collectives, memory fit and roofline behaviour, for the
+engine's layout (ParallelConfig: stage = max(tp, ep) ranks, experts over the whole stage)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from shardserve.config import ConfigError, ModelConfig
-from shardserve.planner.collectives import all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
-from shardserve.planner.cost_model import (
-    BatchSummary, Efficiency, decode_step_time, fraction_of_experts_hit, kv_bytes_per_token,
-    kv_bytes_per_token_per_rank, layer_flops, max_batch_tokens, num_attended_pairs, prefill_time, step_time,
-    weight_bytes_per_rank,
+from shardserve.config import ConfigError, ModelConfig, ParallelConfig
+from shardserve.planner.collectives import (
+    all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s,
 )
-from shardserve.planner.model_shape import ModelShape, Parallelism, validate_layout
+from shardserve.planner.cost_model import (
+    BatchSummary, Deployment, Efficiency, decode_step_time, fraction_of_experts_hit, layer_flops,
+    num_attended_pairs, prefill_time, step_time,
+)
 from shardserve.planner.hardware import get_hardware
+from shardserve.planner.memory_fit import (
+    kv_bytes_per_token, kv_bytes_per_token_per_rank, max_batch_tokens, max_num_seqs_that_fit, weight_bytes_per_rank,
+)
+from shardserve.planner.model_presets import preset
 
 # h=64, I=128, 4 heads of 16, 2 kv heads, 2 layers, vocab 384.
-TINY = ModelShape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, vocab_size=384)
-# Same attention; MLP = 4 experts of width 32, top-2.
-TINY_MOE = dataclasses.replace(TINY, intermediate_size=0, num_experts=4, num_experts_per_token=2,
-                               expert_intermediate_size=32)
-LLAMA70B = ModelShape.llama31_70b()
-MIXTRAL = ModelShape.mixtral_8x7b()
+TINY = ModelConfig(architecture="llama", vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+# Same attention; MLP = 4 experts of width 32, top-2 (an expert is 3*64*32 = 6144 params).
+TINY_MOE = dataclasses.replace(TINY, architecture="mixtral", intermediate_size=32, num_experts=4,
+                               num_experts_per_token=2, moe_intermediate_size=32)
+LLAMA70B = preset("llama-3.1-70b")
+MIXTRAL = preset("mixtral-8x7b")
+QWEN3_MOE = preset("qwen3-30b-a3b")
 BF16 = 2
+H100_BW = 0.8 * 3.35e12  # memory bandwidth after the default efficiency
+H100_PEAK = 0.7 * 989.4e12  # bf16 GEMM FLOP/s after the default efficiency
+NVLINK = (450e9 * 0.7, 1e-6)
+
+
+def par(tp: int = 1, pp: int = 1, ep: int = 1, **kw) -> ParallelConfig:
+    return ParallelConfig(tp_size=tp, pp_size=pp, ep_size=ep, **kw)
+
+
+def dep(model: ModelConfig, parallel: ParallelConfig, hw: str = "h100", **kw) -> Deployment:
+    return Deployment(model, parallel, get_hardware(hw), **kw)
 
 
 def test_layer_flops_prefill_by_hand():
@@ -52,61 +69,71 @@ def test_moe_flops_count_only_active_experts():
     assert moe.mlp_flops == dense_equivalent.mlp_flops == 2 * 8 * 2 * 3 * 64 * 32
     assert moe.router_flops == 2 * 8 * 64 * 4
     assert moe.qkv_flops == dense_equivalent.qkv_flops
-    shared = layer_flops(dataclasses.replace(TINY_MOE, num_shared_experts=1), 8, 8)
-    assert shared.mlp_flops == 2 * 8 * 3 * 3 * 64 * 32
+    # Qwen2-MoE style shared expert of width 32, with its 64 -> 1 sigmoid gate
+    shared = layer_flops(dataclasses.replace(TINY_MOE, architecture="qwen2_moe",
+                                             shared_expert_intermediate_size=32), 8, 8)
+    assert shared.mlp_flops == 2 * 8 * (2 * 3 * 64 * 32 + 3 * 64 * 32 + 64)
+    # a layer listed in dense_layer_ids keeps a dense MLP of intermediate_size
+    first_dense = dataclasses.replace(TINY_MOE, dense_layer_ids=(0,))
+    assert layer_flops(first_dense, 8, 8, layer_id=0).mlp_flops == 2 * 8 * 3 * 64 * 32
+    assert layer_flops(first_dense, 8, 8, layer_id=0).router_flops == 0
 
 
-def test_mixtral_active_params():
-    # per layer: attention 4096*128*(2*32 + 2*8) + 8 experts * 3*4096*14336 + router 4096*8 + norms 2*4096
+def test_preset_param_counts_match_published_sizes():
+    # Mixtral per layer: attention 4096*128*(2*32 + 2*8) + 8 experts * 3*4096*14336 + router 4096*8 + norms
     per_layer = 41_943_040 + 1_409_286_144 + 32_768 + 8_192
     assert MIXTRAL.num_params == 32 * per_layer + 2 * 32_000 * 4096 + 4096 == 46_702_792_704
-    idle_experts = 32 * 6 * 3 * 4096 * 14336
-    assert MIXTRAL.num_active_params == 46_702_792_704 - idle_experts  # ~12.9B, as published
-    f = layer_flops(MIXTRAL, 1, 1)
-    assert f.mlp_flops == 2 * 2 * 3 * 4096 * 14336  # 2 of 8 experts
+    assert layer_flops(MIXTRAL, 1, 1).mlp_flops == 2 * 2 * 3 * 4096 * 14336  # 2 of 8 experts
+    assert LLAMA70B.num_params == 70_553_706_496  # "70B"
+    assert 30.0e9 < QWEN3_MOE.num_params < 30.7e9  # "30B", 128 experts of width 768, 48 layers
 
 
-def test_shape_from_config_matches_model_config():
-    cfg = ModelConfig(architecture="llama", vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
-    shape = ModelShape.from_config(cfg)
-    assert shape.num_params == cfg.num_params
-    assert kv_bytes_per_token(shape, BF16) == cfg.kv_bytes_per_token(BF16)
-    assert weight_bytes_per_rank(shape, Parallelism(), 4) == 4 * cfg.num_params
+@pytest.mark.parametrize("model", [TINY, dataclasses.replace(TINY, tie_word_embeddings=True), TINY_MOE,
+                                   LLAMA70B, MIXTRAL, QWEN3_MOE])
+def test_one_rank_holds_every_parameter(model):
+    assert weight_bytes_per_rank(model, par(), 1) == model.num_params
 
 
-def test_kv_bytes_per_token():
+def test_kv_bytes_per_token_gqa_and_moe():
     assert kv_bytes_per_token(LLAMA70B, BF16) == 2 * 80 * 8 * 128 * 2 == 327_680
     assert kv_bytes_per_token(MIXTRAL, BF16) == 2 * 32 * 8 * 128 * 2 == 131_072  # experts don't add KV
-    assert kv_bytes_per_token_per_rank(LLAMA70B, Parallelism(tp=8), BF16) == 327_680 // 8
+    assert kv_bytes_per_token(QWEN3_MOE, BF16) == 2 * 48 * 4 * 128 * 2 == 98_304
+    assert kv_bytes_per_token_per_rank(LLAMA70B, par(tp=8), BF16) == 327_680 // 8
     # tp=16 > 8 kv heads: each rank keeps one replicated head, so no further saving
-    assert kv_bytes_per_token_per_rank(LLAMA70B, Parallelism(tp=16), BF16) == 327_680 // 8
-    assert kv_bytes_per_token_per_rank(LLAMA70B, Parallelism(tp=8, pp=3), BF16) == 2 * 27 * 1 * 128 * 2
+    assert kv_bytes_per_token_per_rank(LLAMA70B, par(tp=16), BF16) == 327_680 // 8
+    # pp=3: the engine's balanced split gives 27, 27, 26 layers
+    assert kv_bytes_per_token_per_rank(LLAMA70B, par(tp=8, pp=3), BF16) == 2 * 27 * 1 * 128 * 2
+    # ep does not split attention: tp=2, ep=8 keeps 4 of Mixtral's 8 kv heads on every rank
+    assert kv_bytes_per_token_per_rank(MIXTRAL, par(tp=2, ep=8), BF16) == 2 * 32 * 4 * 128 * 2
 
 
 def test_weight_bytes_per_rank_by_hand():
     # tp=2: q,o 2*64*64/2 = 4096; k,v 2*64*16*1 = 2048; mlp 3*64*128/2 = 12288; norms 128 -> 18560/layer
-    # 2 layers = 37120; embedding + head 2 * 384*64/2 = 24576; final norm 64 -> 61760 params
-    assert weight_bytes_per_rank(TINY, Parallelism(tp=2), BF16) == 61_760 * 2
+    # 2 layers = 37120; embedding + head 2 * 192*64 = 24576; final norm 64 -> 61760 params
+    assert weight_bytes_per_rank(TINY, par(tp=2), BF16) == 61_760 * 2
     # tp=4 > 2 kv heads: q,o 2048; k,v replicated 2048; mlp 6144; norms 128 -> 10368/layer
-    assert weight_bytes_per_rank(TINY, Parallelism(tp=4), BF16) == (2 * 10_368 + 2 * 6_144 + 64) * 2
-    # pp=2: one layer (8192 + 4096 + 24576 + 128) and one vocab matrix 24576 on the busiest stage
-    assert weight_bytes_per_rank(TINY, Parallelism(pp=2), BF16) == (36_992 + 24_576 + 64) * 2
+    assert weight_bytes_per_rank(TINY, par(tp=4), BF16) == (2 * 10_368 + 2 * 6_144 + 64) * 2
+    # pp=2: the last stage (one layer 36992, head 24576, final norm 64) outweighs the first
+    # (one layer and the embedding: 61568)
+    assert weight_bytes_per_rank(TINY, par(pp=2), BF16) == (36_992 + 24_576 + 64) * 2
 
 
-def test_moe_weight_bytes_split_by_tp_and_ep():
-    expert = 3 * 64 * 32
+def test_moe_weight_bytes_follow_the_engine_layout():
+    expert, router, norms = 3 * 64 * 32, 64 * 4, 128
+    attn_tp2, attn_tp1 = 4096 + 2048, 8192 + 4096
 
-    def rank_params(par):
-        return weight_bytes_per_rank(TINY_MOE, par, 1)
-    # ep=2 over tp=2: 2 whole experts per rank; ep=1: 4 experts halved -> same bytes, different layout
-    assert rank_params(Parallelism(tp=2, ep=2)) == rank_params(Parallelism(tp=2, ep=1))
-    attn, router, norms, vocab = 2 * 64 * 64 // 2 + 2 * 64 * 16, 64 * 4, 128, 2 * 384 * 64 // 2
-    assert rank_params(Parallelism(tp=2, ep=2)) == 2 * (attn + router + 2 * expert + norms) + vocab + 64
-    # pp halves the layers and keeps one vocab matrix per stage
-    assert rank_params(Parallelism(tp=2, ep=2, pp=2)) == (attn + router + 2 * expert + norms) + vocab // 2 + 64
-    # tp=4, ep=2: 2 experts per rank split 2 ways == ep=4: 1 whole expert per rank
-    assert rank_params(Parallelism(tp=4, ep=2)) == rank_params(Parallelism(tp=4, ep=4))
+    def rank_params(parallel):
+        return weight_bytes_per_rank(TINY_MOE, parallel, 1)
+    # tp=2, ep=1: all 4 experts split in halves; tp=2, ep=2: 2 whole experts per rank -> same bytes
+    layer = attn_tp2 + norms + router + 4 * expert // 2
+    assert rank_params(par(tp=2)) == rank_params(par(tp=2, ep=2)) == 2 * layer + 2 * 192 * 64 + 64
+    # tp=1, ep=2: attention and the vocab matrices repeat on both ranks, experts split
+    layer_ep = attn_tp1 + norms + router + 2 * expert
+    assert rank_params(par(ep=2)) == 2 * layer_ep + 2 * 384 * 64 + 64
+    # one redundant slot per rank holds one more whole expert per layer
+    assert rank_params(par(ep=2, num_redundant_experts=1)) == rank_params(par(ep=2)) + 2 * expert
+    # pp=2: the last stage holds one layer, the head and the final norm
+    assert rank_params(par(tp=2, ep=2, pp=2)) == layer + 192 * 64 + 64
 
 
 def test_max_batch_tokens_llama70b_on_8x_h100():
@@ -114,12 +141,14 @@ def test_max_batch_tokens_llama70b_on_8x_h100():
     layer = 16_777_216 + 2_097_152 + 88_080_384 + 16_384
     params = 80 * layer + 2 * 128_256 * 8192 // 8 + 8192  # = 8.82B (70.55B / 8)
     weight_bytes = 2 * params
-    assert weight_bytes_per_rank(LLAMA70B, Parallelism(tp=8), BF16) == weight_bytes == 17_640_734_720
+    assert weight_bytes_per_rank(LLAMA70B, par(tp=8), BF16) == weight_bytes == 17_640_734_720
     free_bytes = 80e9 * 0.9 - weight_bytes  # 54.36 GB for KV
     expected = int(free_bytes // (327_680 // 8))
     assert expected == 1_327_130
-    assert max_batch_tokens(LLAMA70B, Parallelism(tp=8), get_hardware("h100"), BF16) == expected
-    assert max_batch_tokens(LLAMA70B, Parallelism(tp=1), get_hardware("h100"), BF16) == 0  # 141 GB > 80 GB
+    assert max_batch_tokens(LLAMA70B, par(tp=8), get_hardware("h100"), BF16) == expected
+    assert max_batch_tokens(LLAMA70B, par(tp=1), get_hardware("h100"), BF16) == 0  # 141 GB > 80 GB
+    # 1_327_130 tokens = 82_945 blocks of 16; a 4096 + 1024 token sequence takes 320 blocks
+    assert max_num_seqs_that_fit(expected, 5120) == 82_945 // 320 == 259
 
 
 def test_collective_formulas():
@@ -127,83 +156,115 @@ def test_collective_formulas():
     assert ring_allreduce_time_s(1e9, 8, 100e9, 1e-6) == pytest.approx(0.0175 + 14e-6)
     assert ring_allreduce_time_s(1e9, 1, 100e9, 1e-6) == 0.0
     assert all_to_all_time_s(1e9, 4, 100e9, 1e-6) == pytest.approx(0.75 * 0.01 + 3e-6)
+    assert all_gather_time_s(1e9, 4, 100e9, 1e-6) == pytest.approx(0.75 * 0.01 + 3e-6)
     assert p2p_time_s(1e6, 1e9, 5e-6) == pytest.approx(1e-3 + 5e-6)
 
 
-def test_layout_validation():
-    validate_layout(LLAMA70B, Parallelism(tp=8, pp=4))
-    validate_layout(MIXTRAL, Parallelism(tp=8, ep=8))
-    cases = [(LLAMA70B, Parallelism(tp=3), "does not divide num_heads"),
-             (LLAMA70B, Parallelism(pp=81), "exceeds num_layers"),
-             (LLAMA70B, Parallelism(tp=8, ep=2), "needs an MoE model"),
-             (MIXTRAL, Parallelism(tp=4, ep=3), "does not divide num_experts"),
-             (MIXTRAL, Parallelism(tp=2, ep=4), "must divide tp"),
-             (dataclasses.replace(TINY, num_heads=12, num_kv_heads=3), Parallelism(tp=4), "num_kv_heads")]
-    for shape, par, match in cases:
+def test_layout_validation_is_the_engines():
+    dep(LLAMA70B, par(tp=8, pp=4))
+    dep(MIXTRAL, par(tp=1, ep=8))  # experts over 8 ranks, attention repeated on each
+    dep(MIXTRAL, par(tp=2, ep=8))
+    cases = [(LLAMA70B, par(tp=3), "does not divide"),
+             (LLAMA70B, par(pp=81), "exceeds"),
+             (LLAMA70B, par(tp=8, ep=2), "dense"),
+             (MIXTRAL, par(tp=1, ep=3), "does not divide the model's 8 experts"),
+             (MIXTRAL, par(tp=4, ep=2), "tp=4 must divide ep=2"),
+             (dataclasses.replace(TINY, num_heads=12, num_kv_heads=3), par(tp=4), "KV heads")]
+    for model, parallel, match in cases:
         with pytest.raises(ConfigError, match=match):
-            validate_layout(shape, par)
-    with pytest.raises(ConfigError, match="tp must be >= 1"):
-        Parallelism(tp=0)
+            dep(model, parallel)
+    with pytest.raises(ConfigError, match="float8"):
+        dep(LLAMA70B, par(tp=8), "a100", dtype="float8")
     with pytest.raises(ConfigError):
-        weight_bytes_per_rank(LLAMA70B, Parallelism(tp=3), BF16)
+        weight_bytes_per_rank(LLAMA70B, par(tp=3), BF16)
 
 
 def test_decode_bottleneck_switches_from_memory_to_compute():
-    h100, par = get_hardware("h100"), Parallelism(tp=8)
-    small = decode_step_time(LLAMA70B, par, h100, "bfloat16", batch_size=1, context_len=1024)
-    large = decode_step_time(LLAMA70B, par, h100, "bfloat16", batch_size=2048, context_len=1024)
+    llama = dep(LLAMA70B, par(tp=8))
+    small = decode_step_time(llama, batch_size=1, context_len=1024)
+    large = decode_step_time(llama, batch_size=2048, context_len=1024)
     assert small.bottleneck == "memory" and large.bottleneck == "compute"
-    # batch 1 reads ~17.6 GB of weights per rank at 0.8 * 3.35 TB/s: ~6.5 ms
-    assert small.memory_s == pytest.approx(17.4e9 / (0.8 * 3.35e12), rel=0.05)
+    # batch 1 reads 80 layers of linear weights and the LM head shard: 8.688B params per rank
+    read_params = 80 * (16_777_216 + 2_097_152 + 88_080_384) + 16_032 * 8192
+    kv_bytes = 1024 * 2 * 80 * 1 * 128 * 2
+    assert small.memory_s == pytest.approx((read_params * 2 + kv_bytes) / H100_BW)
     assert large.total_s > small.total_s
     assert not small.calibrated and "uncalibrated" in small.summary()
     assert "calibrated" in dataclasses.replace(small, calibrated=True).summary()
 
 
 def test_step_time_rule_and_batch_forms_agree():
-    h100, par, eff = get_hardware("h100"), Parallelism(tp=2), Efficiency(step_overhead_s=1e-3)
+    tiny = dep(TINY, par(tp=2), efficiency=Efficiency(step_overhead_s=1e-3))
     entries = [(16, 48)] + [(1, 100)] * 3
     summary = BatchSummary(num_prefill_tokens=16, prefill_context_len=48, num_decode_seqs=3, decode_context_len=100)
-    a = step_time(TINY, par, h100, "bfloat16", entries, eff)
-    b = step_time(TINY, par, h100, "bfloat16", summary, eff)
+    a, b = step_time(tiny, entries), step_time(tiny, summary)
     assert a == b
-    # read per rank: 2 layers * 18560 params + LM head 384*64/2 (the embedding is only looked up),
-    # and K/V of 48 + 3*100 context tokens at 2 layers * 1 kv head * 16 * 2 (K, V) * 2 bytes
-    weight_read_bytes = (2 * 18_560 + 12_288) * 2
+    # read per rank: 2 layers * (attention 6144 + mlp 12288) linear params + LM head 192*64 (the
+    # embedding is only looked up), and K/V of 48 + 3*100 context tokens at 2 layers * 1 kv head
+    # * 16 * 2 (K, V) * 2 bytes
+    weight_read_bytes = (2 * 18_432 + 12_288) * 2
     kv_read_bytes = (48 + 300) * (2 * 2 * 1 * 16 * 2)
-    assert a.memory_s == pytest.approx((weight_read_bytes + kv_read_bytes) / (0.8 * 3.35e12))
+    assert a.memory_s == pytest.approx((weight_read_bytes + kv_read_bytes) / H100_BW)
     # total = max(gemm, weights) + max(attention, kv) + comm + overhead; tiny shapes are memory-bound
     assert a.total_s == pytest.approx(a.memory_s + a.comm_s + a.overhead_s)
-    assert a.comm_s == pytest.approx(2 * 2 * ring_allreduce_time_s(19 * 64 * 2, 2, 450e9 * 0.7, 1e-6))
+    # 2 all-reduces of 19 x 64 bf16 per layer, one for the embedding; the 4 rows of logits gathered
+    allreduce = ring_allreduce_time_s(19 * 64 * 2, 2, *NVLINK)
+    assert a.comm_s == pytest.approx(5 * allreduce + all_gather_time_s(4 * 384 * 2, 2, *NVLINK))
+
+
+def test_pipeline_step_is_sum_of_stages_plus_slowest_per_extra_micro_batch():
+    # TINY, pp=2, decode 4 seqs at context 100 -> 2 micro-batches of 2 seqs (200 context tokens)
+    t = decode_step_time(dep(TINY, par(pp=2)), batch_size=4, context_len=100)
+    layer_params = 12_288 + 24_576  # attention + MLP, unsharded
+    kv_bytes = 200 * (2 * 1 * 2 * 16 * 2)
+    stage0 = (layer_params * 2 + kv_bytes) / H100_BW + p2p_time_s(2 * 64 * 2, *NVLINK)  # sends [2, 64]
+    stage1 = ((layer_params + 384 * 64) * 2 + kv_bytes) / H100_BW  # holds the head
+    assert t.total_s == pytest.approx(stage0 + stage1 + max(stage0, stage1) + 2e-3)
+    one_micro = decode_step_time(dep(TINY, par(pp=2, num_micro_batches=1)), batch_size=4, context_len=100)
+    assert one_micro.total_s < t.total_s  # memory-bound: splitting re-reads the weights
 
 
 def test_prefill_is_compute_bound_and_pipeline_adds_p2p():
-    h100 = get_hardware("h100")
-    one = prefill_time(LLAMA70B, Parallelism(tp=8), h100, "bfloat16", prompt_len=4096)
+    one = prefill_time(dep(LLAMA70B, par(tp=8)), prompt_len=4096)
     assert one.bottleneck in ("compute", "network") and one.gemm_s > one.memory_s
-    # 2 FLOPs * 80 layers * 855.8M layer params * 4096 tokens / 8 ranks at 0.7 * 989.4 TFLOP/s,
+    # 2 FLOPs * 80 layers * 855.6M layer params * 4096 tokens / 8 ranks at 0.7 * 989.4 TFLOP/s,
     # plus the LM head for the one sampled row (the embedding is a lookup, not a GEMM)
     layer_params = 8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672
     expected_flops = 2 * 80 * layer_params * 4096 / 8 + 2 * 8192 * 128_256 / 8
-    assert one.gemm_s == pytest.approx(expected_flops / (0.7 * 989.4e12))
-    staged = prefill_time(LLAMA70B, Parallelism(tp=8, pp=2), get_hardware("h100"), "bfloat16", prompt_len=4096)
-    # same all-reduces per layer, plus one p2p of 4096 x 8192 bf16 over the NIC (16 GPUs > 8 per node)
+    assert one.gemm_s == pytest.approx(expected_flops / H100_PEAK)
+    staged = prefill_time(dep(LLAMA70B, par(tp=8, pp=2)), prompt_len=4096)
+    # same collectives, plus one p2p of 4096 x 8192 bf16 from rank 7 to rank 8: another node, the NIC
     assert staged.comm_s == pytest.approx(one.comm_s + p2p_time_s(4096 * 8192 * 2, 0.7 * 50e9, 5e-6))
     assert staged.gemm_s == pytest.approx(one.gemm_s)
+
+
+def test_expert_parallel_compute_and_all_to_all_by_hand():
+    # TINY_MOE, tp=1, ep=2, decode 4 seqs: each rank routes 2 tokens, runs 4*2/2 = 4 expert rows
+    t = decode_step_time(dep(TINY_MOE, par(ep=2)), batch_size=4, context_len=10)
+    attention_flops = 2 * 4 * (8192 + 4096)  # per layer, unsharded on each rank
+    moe_flops = 2 * 2 * 64 * 4 + 2 * 4 * 6144  # router on 2 tokens, 4 rows through whole experts
+    head_flops = 2 * 4 * 384 * 64
+    assert t.gemm_s == pytest.approx((2 * (attention_flops + moe_flops) + head_flops) / H100_PEAK)
+    # per layer: dispatch + combine of 2 tokens * 2 choices * 64 * 2 bytes, all-gather of [4, 64]
+    a2a = all_to_all_time_s(2 * 2 * 64 * 2, 2, *NVLINK)
+    assert t.comm_s == pytest.approx(2 * (2 * a2a + all_gather_time_s(4 * 64 * 2, 2, *NVLINK)))
+    # ep=1, tp=2 instead: one all-reduce after attention and one after the experts, per layer
+    tp = decode_step_time(dep(TINY_MOE, par(tp=2)), batch_size=4, context_len=10)
+    allreduce = ring_allreduce_time_s(4 * 64 * 2, 2, *NVLINK)
+    assert tp.comm_s == pytest.approx(5 * allreduce + all_gather_time_s(4 * 384 * 2, 2, *NVLINK))
 
 
 def test_moe_decode_reads_only_hit_experts():
     assert fraction_of_experts_hit(MIXTRAL, 1) == pytest.approx(0.25)
     assert fraction_of_experts_hit(MIXTRAL, 256) == pytest.approx(1.0)
-    h100, par = get_hardware("h100"), Parallelism(tp=8, ep=8)
-    one = decode_step_time(MIXTRAL, par, h100, "bfloat16", 1, 16)
-    many = decode_step_time(MIXTRAL, par, h100, "bfloat16", 256, 16)
+    mixtral = dep(MIXTRAL, par(tp=8, ep=8))
+    one, many = decode_step_time(mixtral, 1, 16), decode_step_time(mixtral, 256, 16)
     assert many.memory_s > 2.5 * one.memory_s  # 8 experts read instead of ~2
-    assert one.comm_s != decode_step_time(MIXTRAL, Parallelism(tp=8), h100, "bfloat16", 1, 16).comm_s
+    assert one.comm_s != decode_step_time(dep(MIXTRAL, par(tp=8)), 1, 16).comm_s
 
 
-def test_efficiency_validation_and_missing_dtype():
+def test_efficiency_validation():
     with pytest.raises(ConfigError, match="gemm"):
         Efficiency(gemm=0)
-    with pytest.raises(ConfigError, match="float8"):
-        decode_step_time(LLAMA70B, Parallelism(tp=8), get_hardware("a100"), "float8", 1, 10)
+    with pytest.raises(ConfigError, match="step_overhead_s"):
+        Efficiency(step_overhead_s=-1)

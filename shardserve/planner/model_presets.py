@@ -1,0 +1,80 @@
+"""Named model shapes for the planner, and resolving `--model` to a ModelConfig.
+
+A preset is the public `config.json` of a released checkpoint (the fields that shape compute and
+memory), parsed by the same `ModelConfig.from_hf_config` that reads real checkpoints, so a plan
+for "llama-3.1-70b" and one for a downloaded Llama-3.1-70B folder see the same shape.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from shardserve.config import ConfigError, ModelConfig
+
+_LLAMA31_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "head_dim": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+}
+
+# name -> config.json fields (meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B,
+# mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B on the Hugging Face hub).
+_PRESET_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {**_LLAMA31_COMMON, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8},
+    "llama-3.1-70b": {**_LLAMA31_COMMON, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64, "num_key_value_heads": 8},
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+}
+
+
+def _normalize(name: str) -> str:
+    # "Llama-3.1-70B", "llama3.1-70b" and "meta-llama/Llama-3.1-70B-Instruct" name one shape:
+    # drop an org prefix, an -Instruct / -v0.1 suffix, case and separators.
+    base = name.strip().rsplit("/", 1)[-1].lower()
+    base = re.sub(r"-(instruct|chat|base)$", "", base)
+    base = re.sub(r"-v\d+(\.\d+)*$", "", base)
+    return re.sub(r"[^a-z0-9.]", "", base)
+
+
+def preset_names() -> list[str]:
+    return sorted(_PRESET_HF_CONFIGS)
+
+
+def preset(name: str) -> ModelConfig | None:
+    """The preset `name` names (ignoring case, separators, an org prefix and -Instruct), or None."""
+    wanted = _normalize(name)
+    for key, hf in _PRESET_HF_CONFIGS.items():
+        if _normalize(key) == wanted:
+            return ModelConfig.from_hf_config(hf)
+    return None
+
+
+def resolve_model(name_or_path: str) -> ModelConfig:
+    """A preset name, or anything `load_checkpoint` accepts (HF folder, .gguf file, embedded model
+    name); only the config is read. ConfigError names the presets when nothing matches."""
+    found = preset(name_or_path)
+    if found is not None:
+        return found
+    from shardserve.models.checkpoint import EMBEDDED_MODELS, load_checkpoint  # imports torch: only when needed
+
+    if name_or_path.lower() not in EMBEDDED_MODELS and not Path(name_or_path).expanduser().exists():
+        raise ConfigError(f"unknown model {name_or_path!r}: not a preset ({', '.join(preset_names())}) "
+                          "and no such file or folder")
+    return load_checkpoint(name_or_path).config

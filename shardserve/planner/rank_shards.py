@@ -1,0 +1,104 @@
+"""What one rank of a replica holds, under the engine's layout (shardserve/config.py ParallelConfig,
+docs/parallelism.md), counted in parameters:
+
+    stage = max(tp, ep) ranks; attention and dense MLPs are tensor-parallel over runs of tp ranks
+    (repeated ep / tp times when ep > tp); KV heads split over tp, one replicated head per rank
+    when tp > kv heads.
+    MoE layer, ep = 1: every expert split by its intermediate features over tp (like a dense MLP).
+    MoE layer, ep > 1: num_experts / ep whole experts per rank (+ redundant slots); router
+    replicated; the shared expert (Qwen2-MoE) tensor-parallel over tp.
+    pipeline: the engine's own cost-balanced split (ParallelConfig.stage_layers); the first stage
+    holds the embedding, the last the final norm and LM head.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardserve.config import ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: how many dense and MoE layers it runs, and which ends it holds."""
+
+    num_dense_layers: int
+    num_moe_layers: int
+    is_first: bool
+    is_last: bool
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_dense_layers + self.num_moe_layers
+
+
+def stage_plans(model: ModelConfig, par: ParallelConfig) -> tuple[StagePlan, ...]:
+    """The stages as the engine builds them (same split, same LM-head weight as models/dense.py)."""
+    head_cost = model.vocab_size * model.hidden_size / 3
+    stages = par.stage_layers(model.active_params_per_layer(), head_cost)
+    plans = []
+    for index, layer_ids in enumerate(stages):
+        num_moe = sum(model.is_moe_layer(i) for i in layer_ids)
+        plans.append(StagePlan(len(layer_ids) - num_moe, num_moe, index == 0, index == len(stages) - 1))
+    return tuple(plans)
+
+
+def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
+    # tp > kv heads: each rank keeps one (replicated) kv head.
+    return max(1, model.num_kv_heads // tp)
+
+
+def attention_linear_params_per_rank(model: ModelConfig, tp: int) -> int:
+    """q and o: hidden x heads/tp x head_dim each; k and v: hidden x kv_heads_per_rank x head_dim."""
+    h, d = model.hidden_size, model.head_dim
+    return 2 * h * d * model.num_heads // tp + 2 * h * d * kv_heads_per_rank(model, tp)
+
+
+def layer_norm_params(model: ModelConfig) -> int:
+    """Two RMSNorms per layer (and Qwen3's q/k norms), replicated on every rank."""
+    return 2 * model.hidden_size + (2 * model.head_dim if model.qk_norm else 0)
+
+
+def dense_mlp_params_per_rank(model: ModelConfig, tp: int) -> int:
+    return 3 * model.hidden_size * model.intermediate_size // tp
+
+
+def expert_params(model: ModelConfig) -> int:
+    """One gated routed expert (gate, up, down): 3 x hidden x moe_intermediate_size."""
+    return 3 * model.hidden_size * model.moe_intermediate_size
+
+
+def shared_expert_params_per_rank(model: ModelConfig, tp: int) -> int:
+    """The shared expert's tp slice plus its (replicated) sigmoid gate; 0 without one."""
+    if not model.shared_expert_intermediate_size:
+        return 0
+    return 3 * model.hidden_size * model.shared_expert_intermediate_size // tp + model.hidden_size
+
+
+def routed_expert_params_per_rank(model: ModelConfig, par: ParallelConfig) -> int:
+    """Routed-expert weights resident on one rank: all experts' tp slices (ep = 1), or
+    num_experts / ep whole experts plus the redundant slots (ep > 1)."""
+    if par.ep_size == 1:
+        return model.num_experts * expert_params(model) // par.tp_size
+    return (model.num_experts // par.ep_size + par.num_redundant_experts) * expert_params(model)
+
+
+def moe_layer_params_per_rank(model: ModelConfig, par: ParallelConfig) -> int:
+    """Router (replicated) + shared expert slice + resident routed experts."""
+    router = model.hidden_size * model.num_experts
+    return router + shared_expert_params_per_rank(model, par.tp_size) + routed_expert_params_per_rank(model, par)
+
+
+def stage_params_per_rank(model: ModelConfig, par: ParallelConfig, stage: StagePlan) -> int:
+    """Parameters on one rank of `stage`: its layers' slices, plus the vocab-parallel embedding
+    (first stage) and the LM head and final norm (last stage), each ceil(vocab / tp) rows; a tied
+    head shares the embedding's rows only when both sit on the same stage."""
+    tp = par.tp_size
+    per_layer = attention_linear_params_per_rank(model, tp) + layer_norm_params(model)
+    params = stage.num_layers * per_layer + stage.num_dense_layers * dense_mlp_params_per_rank(model, tp)
+    if stage.num_moe_layers:
+        params += stage.num_moe_layers * moe_layer_params_per_rank(model, par)
+    vocab_matrix = math.ceil(model.vocab_size / tp) * model.hidden_size
+    shares_one_matrix = model.tie_word_embeddings and stage.is_first and stage.is_last
+    num_vocab_matrices = int(stage.is_first) + int(stage.is_last) - int(shares_one_matrix)
+    return params + num_vocab_matrices * vocab_matrix + (model.hidden_size if stage.is_last else 0)

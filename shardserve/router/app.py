@@ -1,0 +1,159 @@
+"""The router's HTTP API: the OpenAI endpoints of a single server (clients cannot tell the
+difference), plus /admin for adding, draining and listing replicas.
+
+    POST /v1/completions, /v1/chat/completions   forwarded (forwarding.py)
+    GET  /v1/models                              the replicas' models, with each replica's card
+    GET  /health                                 200 while some replica is routable
+    GET  /metrics                                the router's Prometheus metrics
+    GET  /admin/status                           replicas: state, load, in flight, model card
+    POST /admin/replicas {"url": ...}            add a replica (probed before it takes traffic)
+    POST /admin/replicas/drain {"url": ...}      no new requests; removed once idle
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from shardserve.config import RouterConfig
+from shardserve.router.forwarding import Forwarder, RouterError
+from shardserve.router.health import HealthMonitor
+from shardserve.router.metrics import RouterMetrics
+from shardserve.router.policies import make_policy
+from shardserve.router.replica_pool import ReplicaPool
+from shardserve.server.protocol import error_body
+
+
+class Router:
+    """The state behind the app: the pool, the policy, the forwarding and the health checks."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.pool = ReplicaPool(list(config.replicas), config.eject_after_failures, config.eject_base_s,
+                                config.eject_max_s)
+        self.metrics = RouterMetrics(config.policy)
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024))
+        policy = make_policy(config.policy, config.prefix_chars, config.prefix_load_slack)
+        self.forwarder = Forwarder(config, self.pool, policy, self.client, self.metrics)
+        self.health = HealthMonitor(self.pool, self.client, config.probe_interval_s, config.probe_timeout_s)
+
+    def status(self) -> dict:
+        return {"policy": self.config.policy, "replicas": [
+            {"url": r.url, "state": r.state, "outstanding": r.outstanding, "consecutive_failures": r.consecutive_failures,
+             "ejections": self.pool.num_ejections.get(r.url, 0), "load": vars(r.load), "model": r.info}
+            for r in self.pool.replicas.values()]}
+
+
+def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.health.check_all()  # know who is up before the first request
+        task = asyncio.ensure_future(router.health.run())
+        yield
+        task.cancel()
+        await router.client.aclose()
+
+    app = FastAPI(title="shardserve router", lifespan=lifespan)
+
+    @app.exception_handler(RouterError)
+    async def router_error(_, exc: RouterError):
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+        return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=headers)
+
+    async def forward(kind: str, path: str, request: Request):
+        received_at = time.monotonic()
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse(error_body(400, f"request body is not valid JSON: {exc}"), status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body(400, "request body must be a JSON object"), status_code=400)
+        request_class = request.headers.get("x-request-class")
+        if request_class and "request_class" not in body:
+            body["request_class"] = request_class
+        router.forwarder.admit(body)
+        body = router.forwarder.prepare(body)
+        prefix = _prompt_prefix(body, config.prefix_chars)
+        if body.get("stream"):
+            status, result = await router.forwarder.open_stream(kind, path, body, prefix, received_at)
+            if status != 200:
+                return JSONResponse(result, status_code=status)
+            return StreamingResponse(result, media_type="text/event-stream")
+        status, answer = await router.forwarder.complete(path, body, prefix, received_at)
+        return JSONResponse(answer, status_code=status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await forward("completion", "/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await forward("chat", "/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models():
+        cards: dict[str, dict] = {}
+        for replica in router.pool.replicas.values():
+            if replica.info:
+                card = cards.setdefault(replica.info.get("id"), {k: v for k, v in replica.info.items()} | {"replicas": []})
+                card["replicas"].append({"url": replica.url, "state": replica.state,
+                                         **{k: replica.info[k] for k in ("layout",) if k in replica.info}})
+        return {"object": "list", "data": list(cards.values())}
+
+    @app.get("/health")
+    async def health():
+        if not router.pool.routable():
+            return JSONResponse(error_body(503, "no replica is available"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(router.pool), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/admin/status")
+    async def status():
+        return router.status()
+
+    @app.post("/admin/replicas")
+    async def add_replica(request: Request):
+        url = (await request.json()).get("url")
+        if not url:
+            return JSONResponse(error_body(400, "give the replica's url", "url"), status_code=400)
+        replica = router.pool.add(url)
+        await router.health.check(replica)
+        return {"url": replica.url, "state": replica.state}
+
+    @app.post("/admin/replicas/drain")
+    async def drain_replica(request: Request):
+        url = (await request.json()).get("url", "")
+        replica = router.pool.drain(url)
+        if replica is None:
+            return JSONResponse(error_body(404, f"no replica {url!r}", "url"), status_code=404)
+        return {"url": replica.url, "state": replica.state, "outstanding": replica.outstanding}
+
+    return app, router
+
+
+def _prompt_prefix(body: dict, num_chars: int) -> str:
+    """The start of the request's prompt text (for prefix-aware routing)."""
+    if "messages" in body:
+        parts = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{message.get('role') if isinstance(message, dict) else ''}:{content or ''}\n")
+            if sum(map(len, parts)) >= num_chars:
+                break
+        return "".join(parts)[:num_chars]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    return (prompt if isinstance(prompt, str) else json.dumps(prompt))[:num_chars]

@@ -1,0 +1,62 @@
+"""What a client has received of a streamed request, so that another replica can take over.
+
+The router asks replicas for each chunk's token ids (`return_token_ids`). If the replica dies or
+stalls, the request goes to another replica with `resume_token_ids` (the tokens generated so far)
+and `resume_text_chars` (the characters of their text already sent): the new replica recomputes
+them like a preempted request and continues. Greedy and seeded requests (the router seeds every
+sampled request) produce exactly the tokens the first replica would have, so the client's stream
+goes on with no gap, repeat or error. Streams with n > 1 are not resumed (only retried before
+their first byte).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StreamProgress:
+    kind: str  # "completion" | "chat"
+    client_wants_token_ids: bool
+    echo_pending: bool  # a completions echo chunk (the prompt, not output) may come first
+    token_ids: list[int] = field(default_factory=list)
+    num_text_chars: int = 0
+    response_id: str | None = None
+    created: int | None = None
+    finished: bool = False  # a finish_reason was seen
+
+    @classmethod
+    def for_request(cls, kind: str, body: dict) -> "StreamProgress":
+        return cls(kind, bool(body.get("return_token_ids")), kind == "completion" and bool(body.get("echo")))
+
+    def observe(self, chunk: dict) -> dict:
+        """Record one chunk from a replica; return it as the client should see it (the first
+        replica's id and timestamp, token ids only if the client asked for them)."""
+        if self.response_id is None:
+            self.response_id, self.created = chunk.get("id"), chunk.get("created")
+        else:
+            chunk["id"], chunk["created"] = self.response_id, self.created
+        for choice in chunk.get("choices", []):
+            ids = choice.get("token_ids") if self.client_wants_token_ids else choice.pop("token_ids", None)
+            text = choice.get("text") if self.kind == "completion" else (choice.get("delta") or {}).get("content")
+            if self.echo_pending and not ids:
+                self.echo_pending = False
+                continue  # the echoed prompt: the client has it, but it is not output text
+            self.echo_pending = False
+            self.token_ids.extend(ids or [])
+            self.num_text_chars += len(text or "")
+            if choice.get("finish_reason"):
+                self.finished = True
+        return chunk
+
+    def next_body(self, body: dict) -> dict:
+        """The request to send to the next replica: the original, or a resume if tokens came."""
+        body = dict(body, return_token_ids=True)
+        if self.token_ids:
+            body.update(resume_token_ids=list(self.token_ids), resume_text_chars=self.num_text_chars)
+        return body
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

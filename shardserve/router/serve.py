@@ -1,0 +1,16 @@
+"""Run the router with uvicorn."""
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from shardserve.config import RouterConfig
+from shardserve.router.app import build_router_app
+
+
+def run_router(config: RouterConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, _ = build_router_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5)
+    return 0
