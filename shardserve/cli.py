@@ -116,6 +116,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     config = RouterConfig(
         replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
         max_outstanding_per_replica=args.max_outstanding_per_replica, probe_interval_s=args.probe_interval,
+        probe_timeout_s=args.probe_timeout, batch_capacity_fraction=args.batch_capacity_fraction,
         eject_after_failures=args.eject_after_failures, stall_timeout_s=args.stall_timeout,
         max_attempts=args.max_attempts, log_level=args.log_level,
     )
@@ -133,7 +134,11 @@ def add_route_parser(sub) -> None:
     route.add_argument("--max-outstanding-per-replica", type=int, default=64,
                        help="in-flight requests that saturate a replica; with all saturated, answer 429")
     route.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
-    route.add_argument("--eject-after-failures", type=int, default=3)
+    route.add_argument("--probe-timeout", type=float, default=2.0, help="seconds a health probe may take")
+    route.add_argument("--eject-after-failures", type=int, default=3,
+                       help="consecutive failed probes or requests that eject a replica")
+    route.add_argument("--batch-capacity-fraction", type=float, default=0.5,
+                       help="batch-class requests are admitted only below this share of the fleet's capacity")
     route.add_argument("--stall-timeout", type=float, default=10.0,
                        help="seconds without data after which a stream moves to another replica")
     route.add_argument("--max-attempts", type=int, default=3, help="replicas one request may try")
@@ -189,6 +194,9 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     from shardserve.bench.cli_args import add_bench_parser
 
     add_bench_parser(sub)
+    from shardserve.planner.cli_args import add_plan_parser
+
+    add_plan_parser(sub)
     add_route_parser(sub)
     if serve_defaults:
         from shardserve.config import ConfigError

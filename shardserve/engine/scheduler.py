@@ -9,6 +9,9 @@ Each step::
        back to waiting, recompute later) until the chunk fits
     2. if nothing was preempted: admit waiting requests, best first, while budget, blocks and
        max_num_seqs allow; a waiting request starts from its longest cached prefix
+    Running requests of a worse priority than the best waiting request wait until after step 2,
+    and sit the step out if it admitted anyone: so batch-class decodes never slow the step that
+    starts an interactive request (with one priority, as by default, nothing changes).
 
 A request's chunk is `min(remaining tokens, budget left, max_prefill_chunk_tokens)`, so long
 prompts are split over several steps and mixed with other requests' decodes.
@@ -71,11 +74,27 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         budget = self.config.max_num_batched_tokens
+        # Running requests of a worse priority than the best waiting one step aside while it is
+        # admitted: the step that prefills an interactive request carries no batch decodes.
+        urgent = self.waiting[0].priority if self.waiting else None
+        first = [r for r in self.running if urgent is None or r.priority <= urgent]
+        later = [r for r in self.running if urgent is not None and r.priority > urgent]
+        budget, preempted = self._schedule_running(out, first, budget)
+        if not preempted:
+            num_admitted = len(out.new_requests)
+            budget = self._admit_waiting(out, budget)
+            if len(out.new_requests) > num_admitted:
+                return out
+        self._schedule_running(out, later, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, reqs: list[Request], budget: int) -> tuple[int, bool]:
+        """Give each of `reqs` (running, best first) its next chunk; (budget left, preempted?)."""
         preempted = False
-        for req in list(self.running):
+        for req in reqs:
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_new = self._chunk_size(req, budget)
             while not self.block_manager.can_allocate(req, num_new):
@@ -90,9 +109,7 @@ class Scheduler:
             self.block_manager.allocate(req, num_new)
             out.seqs.append(self._scheduled(req, num_new))
             budget -= num_new
-        if not preempted:
-            budget = self._admit_waiting(out, budget)
-        return out
+        return budget, preempted
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

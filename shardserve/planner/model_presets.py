@@ -67,14 +67,20 @@ def preset(name: str) -> ModelConfig | None:
 
 
 def resolve_model(name_or_path: str) -> ModelConfig:
-    """A preset name, or anything `load_checkpoint` accepts (HF folder, .gguf file, embedded model
-    name); only the config is read. ConfigError names the presets when nothing matches."""
+    """A preset name; an HF folder (only its config.json is read, so a plan needs no weights); or
+    anything else `load_checkpoint` accepts (.gguf file, embedded model name). ConfigError names
+    the presets when nothing matches."""
     found = preset(name_or_path)
     if found is not None:
         return found
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        from shardserve.models.safetensors_files import read_hf_config
+
+        return read_hf_config(path)
     from shardserve.models.checkpoint import EMBEDDED_MODELS, load_checkpoint  # imports torch: only when needed
 
-    if name_or_path.lower() not in EMBEDDED_MODELS and not Path(name_or_path).expanduser().exists():
+    if name_or_path.lower() not in EMBEDDED_MODELS and not path.exists():
         raise ConfigError(f"unknown model {name_or_path!r}: not a preset ({', '.join(preset_names())}) "
                           "and no such file or folder")
     return load_checkpoint(name_or_path).config

@@ -96,3 +96,26 @@ def test_prefix_cache_counters_count_each_admitted_request_once():
     assert not s.has_unfinished()
     # a: 12 tokens, no hit; big: 20, no hit; b: 12 with 8 hit, counted once however long it waited
     assert bm.num_prefix_queries == 12 + 20 + 12 and bm.num_prefix_hits == 8
+
+
+def test_worse_priority_decodes_sit_out_the_step_that_admits_a_better_request():
+    s = make()
+    s.add_request(req("batch", 3, max_tokens=8, priority=10))
+    step(s)  # batch prefilled, now decoding
+    s.add_request(req("interactive", 3, max_tokens=8, priority=0))
+    out = step(s)
+    assert [q.req_id for q in out.seqs] == ["interactive"]
+    out = step(s)  # nothing waits: both run, better priority first
+    assert [q.req_id for q in out.seqs] == ["interactive", "batch"]
+    s.add_request(req("same", 3, max_tokens=8, priority=10))
+    out = step(s)  # an equal priority does not make anyone wait
+    assert [q.req_id for q in out.seqs] == ["interactive", "batch", "same"]
+
+
+def test_a_better_request_that_cannot_be_admitted_does_not_stall_the_rest():
+    s = make(max_num_seqs=1)
+    s.add_request(req("batch", 3, max_tokens=8, priority=10))
+    step(s)
+    s.add_request(req("interactive", 3, priority=0))  # no seat free: max_num_seqs
+    out = step(s)
+    assert [q.req_id for q in out.seqs] == ["batch"]

@@ -1,0 +1,151 @@
+"""Steady-state latency of one replica under Poisson traffic: the cost model's step times turned
+into mean TTFT, TPOT and batch size at an arrival rate.
+
+With arrival rate lam per replica, prompt length I, output length O (O - 1 decode steps after
+the first token), mean decode context I + O / 2, and t_p = the time to prefill one prompt alone:
+
+    rho   = lam * t_p                          share of time spent prefilling (must be < 1)
+    TPOT  = t_decode(n) / (1 - rho)            prefill chunks steal steps from decoding
+    n     = lam * (O - 1) * TPOT               Little's law: sequences decoding at once
+    TTFT  = rho t_p / (2 (1 - rho))            M/D/1 wait for the prefills ahead (Pollaczek-Khinchine)
+          + (1 - e^-n) t_decode(n) / 2         the step in flight when it arrives (if any)
+          + prefill of I in chunks of (budget - n) tokens, each step shared with the n decodes
+
+n is the smallest fixed point of the second and third lines, found by iterating from n = 0.
+The replica is overloaded when rho >= 1, or n exceeds the sequences whose KV fits. All figures
+are means: tail percentiles (p90, p99) are higher, more so near saturation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shardserve.bench.stats import SLO
+from shardserve.config import ConfigError
+from shardserve.planner.cost_model import BatchSummary, Deployment, decode_step_time, prefill_time, step_time
+
+_MAX_ITERATIONS = 200
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The traffic to serve: mean prompt and output lengths in tokens, and total arrival rate."""
+
+    input_len: int
+    output_len: int
+    qps: float
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1:
+            raise ConfigError(f"prompt and output lengths must be at least 1, got {self.input_len}, {self.output_len}")
+        if not 0 < self.qps < math.inf:
+            raise ConfigError(f"qps must be a positive number, got {self.qps}")
+
+
+@dataclass(frozen=True)
+class ReplicaPrediction:
+    """Mean behaviour of one replica at `arrival_qps`; latencies are inf when not `stable`."""
+
+    arrival_qps: float
+    stable: bool
+    num_running_seqs: float
+    prefill_utilization: float
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    decode_bottleneck: str
+
+    def meets(self, slo: SLO | None) -> bool:
+        """Stable and within every target of `slo` (None: stability alone)."""
+        if not self.stable:
+            return False
+        if slo is None:
+            return True
+        checks = ((slo.ttft_ms, self.ttft_s), (slo.tpot_ms, self.tpot_s), (slo.e2e_ms, self.e2e_s))
+        return all(target is None or value * 1e3 <= target for target, value in checks)
+
+
+@dataclass(frozen=True)
+class ReplicaModel:
+    """One replica serving requests of `input_len` + `output_len` tokens, at most `max_num_seqs`
+    at once (what its KV cache holds), with a per-step token budget `max_num_batched_tokens`."""
+
+    deployment: Deployment
+    input_len: int
+    output_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int = 2048
+    prefill_s: float = field(init=False)  # one prompt alone, in budget-sized chunks
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill_s", self._prefill_s(0.0))
+
+    def _chunk_time_s(self, chunk_len: int, context_len: int, num_decode_seqs: float) -> float:
+        batch = BatchSummary(num_prefill_tokens=chunk_len, prefill_context_len=context_len,
+                             num_decode_seqs=num_decode_seqs, decode_context_len=self._decode_context_len)
+        return step_time(self.deployment, batch).total_s
+
+    def _prefill_s(self, num_decode_seqs: float) -> float:
+        """The prompt's steps when each also carries `num_decode_seqs` decodes: chunks of what the
+        budget leaves; the full middle chunks are interpolated between the first and the one
+        before the last (their cost grows linearly with the context)."""
+        if num_decode_seqs == 0 and self.input_len <= self.max_num_batched_tokens:
+            return prefill_time(self.deployment, self.input_len).total_s
+        chunk = max(1, self.max_num_batched_tokens - math.ceil(num_decode_seqs))
+        num_chunks = math.ceil(self.input_len / chunk)
+        last_len = self.input_len - (num_chunks - 1) * chunk
+        last = self._chunk_time_s(last_len, self.input_len, num_decode_seqs)
+        if num_chunks == 1:
+            return last
+        first = self._chunk_time_s(chunk, chunk, num_decode_seqs)
+        before_last = self._chunk_time_s(chunk, self.input_len - last_len, num_decode_seqs)
+        return (num_chunks - 1) * (first + before_last) / 2 + last
+
+    @property
+    def _decode_context_len(self) -> float:
+        return self.input_len + self.output_len / 2
+
+    def _unstable(self, arrival_qps: float, rho: float, n: float) -> ReplicaPrediction:
+        return ReplicaPrediction(arrival_qps, False, n, rho, math.inf, math.inf, math.inf, "overload")
+
+    def predict(self, arrival_qps: float) -> ReplicaPrediction:
+        """Mean TTFT, TPOT, E2E and batch at `arrival_qps` requests/s (see the module docstring)."""
+        rho = arrival_qps * self.prefill_s
+        if rho >= 1:
+            return self._unstable(arrival_qps, rho, math.inf)
+        num_decode_steps = self.output_len - 1
+        n = 0.0
+        for _ in range(_MAX_ITERATIONS):
+            step = decode_step_time(self.deployment, n, self._decode_context_len)
+            next_n = arrival_qps * num_decode_steps * step.total_s / (1 - rho)
+            if next_n > self.max_num_seqs:
+                return self._unstable(arrival_qps, rho, next_n)
+            converged = abs(next_n - n) <= 1e-4 * max(1.0, next_n)
+            n = next_n
+            if converged:
+                break
+        else:  # creeping towards the capacity edge: call it overloaded
+            return self._unstable(arrival_qps, rho, n)
+        step = decode_step_time(self.deployment, n, self._decode_context_len)
+        tpot_s = step.total_s / (1 - rho)
+        wait_s = rho * self.prefill_s / (2 * (1 - rho)) + (1 - math.exp(-n)) * step.total_s / 2
+        ttft_s = wait_s + self._prefill_s(n)
+        e2e_s = ttft_s + num_decode_steps * tpot_s
+        return ReplicaPrediction(arrival_qps, True, n, rho, ttft_s, tpot_s if num_decode_steps else 0.0, e2e_s,
+                                 step.bottleneck)
+
+    def capacity_qps(self, slo: SLO | None, rel_tol: float = 1e-3) -> float:
+        """The highest arrival rate at which the replica is stable and meets `slo` (None:
+        stability alone), to `rel_tol`; 0 when not even a trickle of traffic meets it.
+        Bisects in log space below the prefill saturation rate 1 / prefill_s."""
+        hi = 1.0 / self.prefill_s
+        lo = hi * 1e-6
+        if not self.predict(lo).meets(slo):
+            return 0.0
+        while hi / lo > 1 + rel_tol:
+            mid = math.sqrt(lo * hi)
+            if self.predict(mid).meets(slo):
+                lo = mid
+            else:
+                hi = mid
+        return lo

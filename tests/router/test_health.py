@@ -1,0 +1,71 @@
+"""A replica that stops answering (SIGSTOP: its process frozen, its sockets open) is ejected by
+the health probes within the configured time, its streams resume elsewhere, and once it answers
+again it is probed and readmitted."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.router.fleet import replicas, router
+from tests.router.test_failover import run_all
+from tests.server_process import scrape
+
+PROBE_INTERVAL_S, PROBE_TIMEOUT_S, EJECT_AFTER = 0.5, 1.0, 2
+# each failed probe takes its timeout, then the interval passes before the next
+EJECT_WITHIN_S = EJECT_AFTER * (PROBE_TIMEOUT_S + PROBE_INTERVAL_S) + 1.0
+
+
+def replica_state(router_url: str, url: str) -> str:
+    status = httpx.get(f"{router_url}/admin/status", timeout=5).json()
+    return next(r["state"] for r in status["replicas"] if r["url"] == url)
+
+
+def wait_state(router_url: str, url: str, wanted: str, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if replica_state(router_url, url) == wanted:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"{url} not {wanted} after {timeout_s:.1f} s (is {replica_state(router_url, url)})")
+
+
+def test_stopped_replica_is_ejected_and_readmitted(tiny_checkpoints):
+    model = str(tiny_checkpoints["llama"])
+    with replicas(tiny_checkpoints["llama"], 3) as fleet:
+        urls = [url for url, _ in fleet]
+        args = ["--policy", "round_robin", "--probe-timeout", str(PROBE_TIMEOUT_S), "--eject-after-failures",
+                str(EJECT_AFTER), "--stall-timeout", "30"]  # the probes, not the stall timer, must catch it
+        with router(urls, *args) as (router_url, _):
+            reference = asyncio.run(run_all(router_url, model))
+            victim_url, victim = fleet[2]
+            ejected_after: list[float] = []
+            watcher: list[threading.Thread] = []
+
+            def stop_midway(num_chunks: int) -> None:
+                if not watcher and num_chunks >= 600:
+                    os.killpg(victim.pid, signal.SIGSTOP)
+                    watcher.append(threading.Thread(target=watch, args=(time.monotonic(),)))
+                    watcher[0].start()
+
+            def watch(stopped_at: float) -> None:
+                with contextlib.suppress(AssertionError):
+                    wait_state(router_url, victim_url, "ejected", 30.0)
+                    ejected_after.append(time.monotonic() - stopped_at)
+
+            faulted = asyncio.run(run_all(router_url, model, stop_midway))
+            watcher[0].join()
+            assert [t for t, _, _ in faulted] == [t for t, _, _ in reference]  # no stream lost
+            assert ejected_after and ejected_after[0] <= EJECT_WITHIN_S, ejected_after
+            os.killpg(victim.pid, signal.SIGCONT)
+            readmitted_after_s = wait_state(router_url, victim_url, "healthy", 40.0)
+            served = scrape(victim_url, "vllm:request_success_total")
+            asyncio.run(run_all(router_url, model))  # round robin: a third of these go to it
+            assert scrape(victim_url, "vllm:request_success_total") > served
+            print(f"\nstopped replica ejected {ejected_after[0]:.1f} s after SIGSTOP (limit {EJECT_WITHIN_S:.1f} s), "
+                  f"its streams resumed elsewhere; readmitted {readmitted_after_s:.1f} s after SIGCONT")
