@@ -147,11 +147,13 @@ def add_route_parser(sub) -> None:
 
 
 def read_config_file(argv: list[str] | None) -> dict:
-    """Values of `--config FILE.yaml` (keys are flag names, dashes or underscores), or {}."""
+    """Values of `shardserve serve --config FILE.yaml` (keys are flag names, dashes or
+    underscores), or {}. Other commands' --config files are their own business."""
     pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("command", nargs="?")
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    if not known.config:
+    if not known.config or known.command != "serve":
         return {}
     import yaml
 
@@ -198,6 +200,9 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     add_route_parser(sub)
+    from shardserve.cluster.cli_args import add_cluster_parser
+
+    add_cluster_parser(sub)
     if serve_defaults:
         from shardserve.config import ConfigError
 

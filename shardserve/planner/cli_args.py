@@ -84,6 +84,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     from shardserve.bench.stats import parse_slo
     from shardserve.config import ConfigError
     from shardserve.planner.model_presets import resolve_model
+    from shardserve.planner.plan_report import format_plan
     from shardserve.planner.replica_model import Workload
     from shardserve.planner.search import SearchSpace, search
 
@@ -113,21 +114,6 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print(_what_if_line(args, model, workload, slo, space, plan))
     _write_outputs(args, plan, model, devices, elapsed_s)
     return 0 if plan.best else 1
-
-
-def format_plan(plan, top: int, elapsed_s: float) -> str:
-    from shardserve.planner.plan_report import format_table
-
-    num_feasible = sum(r.feasible for r in plan.rows)
-    lines = [format_table(plan.rows, top),
-             f"{num_feasible} of {len(plan.rows)} layouts fit and meet the SLO; searched in {elapsed_s:.2f} s"]
-    if not plan.best:
-        lines.append("no deployment meets the SLO: relax it, allow more GPUs, or try other hardware")
-    elif plan.pareto:
-        front = ", ".join(f"{r.hardware} {r.layout} x{r.replicas} (${r.cost_per_million_tokens:.2f}, "
-                          f"{r.e2e_ms / 1e3:.2f} s)" for r in plan.pareto[:6])
-        lines.append(f"Pareto front ($/1M tok, mean E2E): {front}")
-    return "\n".join(lines)
 
 
 def _what_if_line(args, model, workload, slo, space, plan) -> str:

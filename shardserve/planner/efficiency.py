@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shardserve.config import ConfigError
+from shardserve.planner.hardware import normalize_device_name
 
 CALIBRATION_FORMAT = "shardserve-efficiency/1"
 _FACTORS = ("gemm", "attention", "memory", "network")
@@ -77,8 +78,6 @@ class Calibration:
     by_device: tuple[tuple[str, Efficiency], ...]
 
     def for_device(self, device_name: str, aliases: tuple[str, ...] = ()) -> Efficiency:
-        from shardserve.planner.hardware import normalize_device_name
-
         names = {normalize_device_name(n) for n in (device_name, *aliases)}
         for name, eff in self.by_device:
             if normalize_device_name(name) in names:

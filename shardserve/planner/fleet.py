@@ -28,7 +28,7 @@ from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit
 from shardserve.planner.replica_model import ReplicaModel, Workload
-from shardserve.planner.search import SearchSpace, candidate_layouts
+from shardserve.planner.search import SearchSpace, candidate_layouts, check_context_fits
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ def fleet_options(demands: list[FleetDemand], pool: list[PoolDevice], dtype: str
     options: list[FleetOption] = []
     for index, demand in enumerate(demands):
         wl = demand.workload
+        check_context_fits(demand.model, wl)
         for device in pool:
             found = []
             for par in candidate_layouts(demand.model, device.hardware, space.max_nodes_per_replica):

@@ -39,6 +39,20 @@ def format_table(rows: list[PlanRow] | tuple[PlanRow, ...], top: int) -> str:
     return "\n".join(out)
 
 
+def format_plan(plan: Plan, top: int, elapsed_s: float) -> str:
+    """The table, how many layouts are feasible, and the cheap end of the Pareto front."""
+    num_feasible = sum(r.feasible for r in plan.rows)
+    lines = [format_table(plan.rows, top),
+             f"{num_feasible} of {len(plan.rows)} layouts fit and meet the SLO; searched in {elapsed_s:.2f} s"]
+    if not plan.best:
+        lines.append("no deployment meets the SLO: relax it, allow more GPUs, or try other hardware")
+    elif plan.pareto:
+        front = ", ".join(f"{r.hardware} {r.layout} x{r.replicas} (${r.cost_per_million_tokens:.2f}, "
+                          f"{r.e2e_ms / 1e3:.2f} s)" for r in plan.pareto[:6])
+        lines.append(f"Pareto front ($/1M tok, mean E2E): {front}")
+    return "\n".join(lines)
+
+
 def _finite_or_none(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -76,10 +90,10 @@ def write_pareto_plot(plan: Plan, path: str | Path, title: str) -> None:
         ax.plot([p.e2e_ms / 1e3 for p in plan.pareto], [p.cost_per_million_tokens for p in plan.pareto],
                 color="black", drawstyle="steps-post", linewidth=1, label="Pareto front")
         for p in plan.pareto[:8]:  # the cheap end; the rest are more replicas of the same layouts
-            ax.annotate(f"{p.layout} x{p.replicas}", (p.e2e_ms / 1e3, p.cost_per_million_tokens), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+            ax.annotate(f"{p.hardware} {p.layout} x{p.replicas}", (p.e2e_ms / 1e3, p.cost_per_million_tokens),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("mean end-to-end latency (s)")
-    ax.set_yscale("log")  # costs span orders of magnitude (pp16 on a small model ...)
+    ax.set_yscale("log")  # costs span orders of magnitude (many replicas of deep pipelines)
     ax.set_ylabel("$ per 1M output tokens")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

@@ -190,12 +190,21 @@ def _rank_key(rank_by: str):
     return key
 
 
+def check_context_fits(model: ModelConfig, workload: Workload) -> None:
+    """ConfigError when a request (prompt + output) is longer than the model's context window."""
+    seq_len = workload.input_len + workload.output_len
+    if seq_len > model.max_position_embeddings:
+        raise ConfigError(f"isl + osl = {seq_len} tokens exceeds the model's context window of "
+                          f"{model.max_position_embeddings}")
+
+
 def search(model: ModelConfig, devices: list[tuple[Hardware, Efficiency]], workload: Workload, slo: SLO,
            dtype: str = "bfloat16", space: SearchSpace = SearchSpace(), rank_by: str = "cost") -> Plan:
     """Plan `model` for `workload` under `slo` on each (device, efficiency) in `devices`."""
     if rank_by not in RANK_BY:
         raise ConfigError(f"--rank-by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
     dtype_bytes_of(dtype)
+    check_context_fits(model, workload)
     ranked, points = [], []
     for hw, efficiency in devices:
         hw.peak_flop_s_for(dtype)

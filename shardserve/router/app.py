@@ -78,16 +78,25 @@ def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
         request_class = request.headers.get("x-request-class")
         if request_class and "request_class" not in body:
             body["request_class"] = request_class
-        router.forwarder.admit(body)
-        body = router.forwarder.prepare(body)
+        forwarder = router.forwarder
+        forwarder.admit(body)
+        body = forwarder.prepare(body)
         prefix = _prompt_prefix(body, config.prefix_chars)
-        if body.get("stream"):
-            status, result = await router.forwarder.open_stream(kind, path, body, prefix, received_at)
-            if status != 200:
-                return JSONResponse(result, status_code=status)
-            return StreamingResponse(result, media_type="text/event-stream")
-        status, answer = await router.forwarder.complete(path, body, prefix, received_at)
-        return JSONResponse(answer, status_code=status)
+        interactive = body.get("request_class") != "batch"
+        forwarder.num_interactive += interactive
+        streaming = False
+        try:
+            if body.get("stream"):
+                status, result = await forwarder.open_stream(kind, path, body, prefix, received_at)
+                if status != 200:
+                    return JSONResponse(result, status_code=status)
+                streaming = True
+                return StreamingResponse(_counted(result, forwarder, interactive), media_type="text/event-stream")
+            status, answer = await forwarder.complete(path, body, prefix, received_at)
+            return JSONResponse(answer, status_code=status)
+        finally:
+            if not streaming:
+                forwarder.num_interactive -= interactive
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -139,6 +148,15 @@ def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
         return {"url": replica.url, "state": replica.state, "outstanding": replica.outstanding}
 
     return app, router
+
+
+async def _counted(events, forwarder: Forwarder, interactive: bool):
+    """The stream, with the interactive count lowered when it ends (or the client leaves)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        forwarder.num_interactive -= interactive
 
 
 def _prompt_prefix(body: dict, num_chars: int) -> str:

@@ -48,10 +48,12 @@ class Forwarder:
                  metrics: RouterMetrics):
         self.config, self.pool, self.policy, self.client, self.metrics = config, pool, policy, client, metrics
         self.rng = random.Random()
+        self.num_interactive = 0  # interactive requests in flight: batch work waits while there are any
 
     # --- admission and choice -----------------------------------------------------------------------
     def admit(self, body: dict) -> None:
-        """Raise RouterError 503 (no replica) or 429 (all saturated; batch work beyond its share)."""
+        """Raise RouterError 503 (no replica) or 429 (all saturated; batch work while interactive
+        requests are in flight or beyond its share of the capacity)."""
         replicas = self.pool.routable()
         if not replicas:
             self.metrics.rejected.labels("no_replica").inc()
@@ -61,7 +63,8 @@ class Forwarder:
         if in_flight >= capacity:
             self.metrics.rejected.labels("saturated").inc()
             raise RouterError(429, f"every replica is saturated ({in_flight} requests in flight); retry later", 1)
-        if body.get("request_class") == "batch" and in_flight >= self.config.batch_capacity_fraction * capacity:
+        if body.get("request_class") == "batch" and (
+                self.num_interactive > 0 or in_flight >= self.config.batch_capacity_fraction * capacity):
             self.metrics.rejected.labels("batch_deferred").inc()
             raise RouterError(429, "batch requests are admitted only while the fleet has idle capacity", 5)
 
@@ -204,47 +207,61 @@ class Forwarder:
 
     async def _events(self, replica: Replica, response: httpx.Response, progress: StreamProgress) -> AsyncIterator[bytes]:
         """The replica's SSE events, recorded in `progress`; raises ReplicaFailed on a broken
-        connection, a stall, an error event or the replica's ejection."""
-        lines = response.aiter_lines()
-        timeout = self.config.first_token_timeout_s if not progress.token_ids else self.config.stall_timeout_s
-        while True:
-            try:
-                line = await self._next_line(lines, replica, timeout)
-            except (StopAsyncIteration, httpx.HTTPError) as exc:
-                if progress.finished:  # every choice ended; only the replica's [DONE] was lost
+        connection, a stall, an error event or the replica's ejection. A watchdog closes the
+        response when the replica stalls or is ejected, so the read loop itself stays plain."""
+        watchdog = StallWatchdog(replica, response, self.config.first_token_timeout_s)
+        watch = asyncio.ensure_future(watchdog.run())
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
                     yield sse("[DONE]")
                     return
-                raise ReplicaFailed(f"the stream broke: {type(exc).__name__} {exc}") from None
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                yield sse("[DONE]")
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise ReplicaFailed(f"error event: {chunk['error'].get('message')}")
-            yield sse(progress.observe(chunk))
-            timeout = self.config.stall_timeout_s
-
-    async def _next_line(self, lines, replica: Replica, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        task = asyncio.ensure_future(lines.__anext__())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=min(0.25, max(0.0, deadline - time.monotonic())))
-                if task.done():
-                    break
-                if replica.state == "ejected":
-                    raise ReplicaFailed("replica ejected mid-stream")
-                if time.monotonic() >= deadline:
-                    raise ReplicaFailed(f"no data for {timeout_s:.0f} s")
-            return task.result()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ReplicaFailed(f"error event: {chunk['error'].get('message')}")
+                watchdog.touch(self.config.stall_timeout_s)
+                yield sse(progress.observe(chunk))
+            failure = "the stream ended without [DONE]"
+        except (httpx.HTTPError, httpx.StreamError) as exc:  # StreamClosed: the watchdog closed it
+            failure = f"the stream broke: {type(exc).__name__} {exc}"
         finally:
-            task.cancel()
+            watch.cancel()
+        if watchdog.reason:
+            failure = watchdog.reason
+        if progress.finished and not watchdog.reason:  # every choice ended; only [DONE] was lost
+            yield sse("[DONE]")
+            return
+        raise ReplicaFailed(failure)
 
     def _failed(self, replica: Replica, reason, retried: bool) -> None:
         log.warning("request failed on %s (%s); trying another replica", replica.url, reason)
         if retried:
             self.metrics.retries.labels(replica.url).inc()
         self.pool.record_failure(replica)
+
+
+class StallWatchdog:
+    """Closes a replica's response when no data came for `timeout_s` or the replica was ejected
+    (checked every 0.25 s): the reader then sees the stream end and moves the request on."""
+
+    def __init__(self, replica: Replica, response: httpx.Response, timeout_s: float):
+        self.replica, self.response = replica, response
+        self.deadline = time.monotonic() + timeout_s
+        self.reason: str | None = None
+
+    def touch(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if self.replica.state == "ejected":
+                self.reason = "replica ejected mid-stream"
+            elif time.monotonic() > self.deadline:
+                self.reason = "the replica stalled (no data within the stall timeout)"
+            if self.reason:
+                await self.response.aclose()
+                return

@@ -11,9 +11,10 @@ from shardserve.planner.collectives import (
     all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s,
 )
 from shardserve.planner.cost_model import (
-    BatchSummary, Deployment, Efficiency, decode_step_time, fraction_of_experts_hit, layer_flops,
+    BatchSummary, Deployment, decode_step_time, fraction_of_experts_hit, layer_flops,
     num_attended_pairs, prefill_time, step_time,
 )
+from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import get_hardware
 from shardserve.planner.memory_fit import (
     kv_bytes_per_token, kv_bytes_per_token_per_rank, max_batch_tokens, max_num_seqs_that_fit, weight_bytes_per_rank,

@@ -1,0 +1,107 @@
+"""`shardserve plan`: the acceptance runs (subprocess, timed) and the command's inputs and outputs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardserve.cli import main
+
+SLO_ARG = "ttft_ms=2000,tpot_ms=100"
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-70b", "mixtral-8x7b"])
+def test_acceptance_plan_on_h100_and_h200(model, tmp_path):
+    out = tmp_path / "plan.json"
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardserve.cli", "plan", "--model", model, "--hardware", "H100,H200",
+         "--isl", "1024", "--osl", "256", "--qps", "10", "--slo", SLO_ARG, "--json", str(out)],
+        capture_output=True, text=True, timeout=60)
+    elapsed_s = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed_s < 10, f"plan took {elapsed_s:.1f} s"
+    assert "uncalibrated" in proc.stdout and "$/1M tok" in proc.stdout
+    plan = json.loads(out.read_text())
+    assert plan["calibrated"] is False
+    top = plan["rows"][:3]
+    assert {r["hardware"] for r in plan["rows"]} == {"H100 SXM", "H200"}
+    for row in top:  # the best entries fit and meet the SLO by the planner's own model
+        assert row["fits"] and row["meets_slo"] and row["feasible"]
+        assert row["ttft_ms"] <= 2000 and row["tpot_ms"] <= 100
+        assert row["max_num_seqs"] <= row["kv_capacity_seqs"]
+    costs = [r["cost_per_million_tokens"] for r in plan["rows"] if r["feasible"]]
+    assert costs == sorted(costs)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hardware", "H900"], "unknown hardware 'H900'"),
+    (["--model", "gpt-5"], "unknown model 'gpt-5'"),
+    (["--slo", "ttft=5"], "--slo: bad term"),
+    (["--what-if", "bandwidth=2x"], "bad what-if term"),
+    (["--qps", "0"], "qps must be a positive"),
+    (["--calibration", "/nonexistent.json"], "cannot read calibration file"),
+    (["--isl", "200000"], "exceeds the model's context window of 131072"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    base = {"--model": "llama-3.1-8b", "--hardware": "H100", "--qps": "1"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    args = ["plan"] + [x for kv in base.items() for x in kv]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_missing_qps_is_an_error(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "H100"]) == 2
+    assert "--qps" in capsys.readouterr().err
+
+
+def test_calibration_file_replaces_the_priors(tmp_path, capsys):
+    calibration = tmp_path / "eff.json"
+    calibration.write_text(json.dumps({
+        "format": "shardserve-efficiency/1", "source": "unit test",
+        "devices": {"h100": {"memory": 0.95, "step_overhead_s": 0.0005, "step_time_mape": 0.12}}}))
+    out_cal, out_raw = tmp_path / "cal.json", tmp_path / "raw.json"
+    common = ["plan", "--model", "llama-3.1-8b", "--hardware", "H100,H200", "--qps", "4"]
+    assert main(common + ["--calibration", str(calibration), "--json", str(out_cal)]) == 0
+    stdout = capsys.readouterr().out
+    assert "H100 SXM: calibrated (unit test, fit error 12%)" in stdout and "H200: uncalibrated" in stdout
+    assert main(common + ["--json", str(out_raw)]) == 0
+    cal, raw = json.loads(out_cal.read_text()), json.loads(out_raw.read_text())
+
+    def h100_tp1(plan):
+        return next(r for r in plan["rows"] if r["hardware"] == "H100 SXM" and r["tp"] == 1 and r["pp"] == 1)
+    assert h100_tp1(cal)["tpot_ms"] < h100_tp1(raw)["tpot_ms"]  # more bandwidth, less overhead per step
+
+
+def test_what_if_prints_the_comparison_and_plot_is_written(tmp_path, capsys):
+    png = tmp_path / "pareto.png"
+    code = main(["plan", "--model", "llama-3.1-70b", "--hardware", "H100", "--qps", "20", "--osl", "512",
+                 "--slo", "ttft_ms=2000,tpot_ms=50", "--what-if", "mem_bw=2x", "--plot", str(png)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "what-if mem_bw=2x: best" in stdout and "on today's devices" in stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_feasible_plan_exits_1(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "H100", "--qps", "1", "--slo", "tpot_ms=0.5"]) == 1
+    assert "no deployment meets the SLO" in capsys.readouterr().out
+
+
+def test_fleet_mode(tmp_path, capsys):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("pool: {H100: 4, H200: 2}\nmodels:\n  - {model: llama-3.1-8b, qps: 6}\n"
+                     "  - {model: mixtral-8x7b, qps: 2}\n")
+    out = tmp_path / "fleet.json"
+    assert main(["plan", "--fleet", str(fleet), "--max-nodes-per-replica", "1", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "fleet: 2 models onto H100 SXM x4, H200 x2" in stdout and "total: $" in stdout
+    assert "uncalibrated" in stdout
+    result = json.loads(out.read_text())
+    assert result["feasible"] and {a["model"] for a in result["assignments"]} == {"llama-3.1-8b", "mixtral-8x7b"}

@@ -1,0 +1,70 @@
+"""Model presets and --model resolution; the calibration file format."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardserve.config import ConfigError
+from shardserve.planner.efficiency import CALIBRATION_FORMAT, Efficiency, load_calibration
+from shardserve.planner.model_presets import preset, preset_names, resolve_model
+
+
+def test_presets_have_the_published_shapes():
+    assert preset_names() == ["llama-3.1-70b", "llama-3.1-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
+    llama = preset("llama-3.1-70b")
+    assert (llama.num_layers, llama.hidden_size, llama.num_kv_heads, llama.vocab_size) == (80, 8192, 8, 128256)
+    mixtral = preset("mixtral-8x7b")
+    assert mixtral.is_moe and (mixtral.num_experts, mixtral.num_experts_per_token) == (8, 2)
+    assert mixtral.moe_intermediate_size == 14336 and mixtral.dense_layer_ids == ()
+    qwen = preset("qwen3-30b-a3b")
+    assert qwen.architecture == "qwen3_moe" and qwen.qk_norm
+    assert (qwen.num_experts, qwen.num_experts_per_token, qwen.moe_intermediate_size) == (128, 8, 768)
+    assert (qwen.num_kv_heads, qwen.head_dim) == (4, 128)
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct", "llama3.1_70b"])
+def test_preset_names_are_forgiving(name):
+    assert resolve_model(name) == preset("llama-3.1-70b")
+
+
+def test_hf_folder_needs_only_its_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2}))
+    config = resolve_model(str(tmp_path))
+    assert (config.num_layers, config.num_kv_heads, config.head_dim) == (4, 2, 32)
+
+
+def test_unknown_model_lists_the_presets():
+    with pytest.raises(ConfigError, match="not a preset .*mixtral-8x7b"):
+        resolve_model("no-such-model")
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "eff.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_calibration_file_round_trip(tmp_path):
+    path = _write(tmp_path, {"format": CALIBRATION_FORMAT, "source": "profile run 7",
+                             "devices": {"H100 SXM": {"gemm": 0.6, "memory": 0.9, "num_samples": 50}}})
+    calibration = load_calibration(path)
+    eff = calibration.for_device("H100 SXM", ("h100",))
+    assert eff.calibrated and eff.gemm == 0.6 and eff.memory == 0.9
+    assert eff.attention == Efficiency().attention  # missing factors keep the prior
+    assert eff.label == "calibrated (profile run 7)"
+    assert not calibration.for_device("H200").calibrated
+    assert Efficiency().label == "uncalibrated"
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"devices": {"h100": {}}}, "format"),
+    ({"format": CALIBRATION_FORMAT, "devices": {}}, "non-empty"),
+    ({"format": CALIBRATION_FORMAT, "devices": {"h100": {"gemm": 1.5}}}, "gemm must be in"),
+    ({"format": CALIBRATION_FORMAT, "devices": {"h100": {"memory": "fast"}}}, "not a number"),
+])
+def test_bad_calibration_files(tmp_path, data, match):
+    with pytest.raises(ConfigError, match=match):
+        load_calibration(_write(tmp_path, data))

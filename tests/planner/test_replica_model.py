@@ -1,0 +1,77 @@
+"""Steady-state replica model: the M/D/1 prefill queue and Little's law, checked by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shardserve.bench.stats import SLO
+from shardserve.config import ConfigError, ParallelConfig
+from shardserve.planner.cost_model import Deployment, decode_step_time, prefill_time
+from shardserve.planner.hardware import get_hardware
+from shardserve.planner.model_presets import preset
+from shardserve.planner.replica_model import ReplicaModel, Workload
+
+LLAMA8B = Deployment(preset("llama-3.1-8b"), ParallelConfig(), get_hardware("h100"))
+
+
+def test_prefill_only_traffic_is_an_md1_queue():
+    # output_len 1: no decode steps, so the replica is a single deterministic server of prefills
+    replica = ReplicaModel(LLAMA8B, input_len=1024, output_len=1, max_num_seqs=100)
+    t_p = prefill_time(LLAMA8B, 1024).total_s
+    assert replica.prefill_s == pytest.approx(t_p)
+    pred = replica.predict(0.5 / t_p)  # rho = 0.5: Pollaczek-Khinchine wait = rho t_p / (2 (1 - rho))
+    assert pred.stable and pred.num_running_seqs == 0 and pred.tpot_s == 0
+    assert pred.ttft_s == pytest.approx(t_p + 0.5 * t_p / (2 * 0.5))
+    assert not replica.predict(1.0 / t_p).stable  # rho = 1
+
+
+def test_decode_batch_follows_littles_law():
+    replica = ReplicaModel(LLAMA8B, input_len=512, output_len=128, max_num_seqs=1000)
+    qps = 4.0
+    pred = replica.predict(qps)
+    rho = qps * replica.prefill_s
+    assert pred.prefill_utilization == pytest.approx(rho)
+    # n = lam (O - 1) TPOT, TPOT = decode step at n, mean context 512 + 64, over (1 - rho)
+    step_s = decode_step_time(LLAMA8B, pred.num_running_seqs, 512 + 64).total_s
+    assert pred.tpot_s == pytest.approx(step_s / (1 - rho))
+    assert pred.num_running_seqs == pytest.approx(qps * 127 * pred.tpot_s, rel=1e-3)
+    assert pred.e2e_s == pytest.approx(pred.ttft_s + 127 * pred.tpot_s)
+    # at a trickle: TTFT is one prefill, TPOT one decode step of an almost empty batch
+    idle = replica.predict(1e-6)
+    assert idle.ttft_s == pytest.approx(replica.prefill_s, rel=1e-3)
+    assert idle.tpot_s == pytest.approx(decode_step_time(LLAMA8B, 0, 576).total_s, rel=1e-3)
+
+
+def test_kv_capacity_bounds_the_batch():
+    roomy = ReplicaModel(LLAMA8B, input_len=512, output_len=512, max_num_seqs=10_000)
+    cramped = ReplicaModel(LLAMA8B, input_len=512, output_len=512, max_num_seqs=8)
+    pred = roomy.predict(2.0)
+    assert pred.stable and pred.num_running_seqs > 8
+    assert not cramped.predict(2.0).stable and math.isinf(cramped.predict(2.0).tpot_s)
+
+
+def test_capacity_is_the_edge_of_the_slo():
+    replica = ReplicaModel(LLAMA8B, input_len=1024, output_len=256, max_num_seqs=2000)
+    slo = SLO(ttft_ms=1000, tpot_ms=40)
+    capacity = replica.capacity_qps(slo)
+    assert capacity > 0
+    assert replica.predict(capacity).meets(slo)
+    assert not replica.predict(capacity * 1.01).meets(slo)
+    assert replica.capacity_qps(None) > capacity  # keeping up is easier than meeting the SLO
+    assert replica.capacity_qps(SLO(tpot_ms=0.1)) == 0.0  # faster than one weight read
+
+
+def test_chunked_prefill_takes_several_steps():
+    one_step = ReplicaModel(LLAMA8B, input_len=4096, output_len=16, max_num_seqs=100, max_num_batched_tokens=8192)
+    chunked = ReplicaModel(LLAMA8B, input_len=4096, output_len=16, max_num_seqs=100, max_num_batched_tokens=1024)
+    # four 1024-token steps each re-read the weights and pay the step overhead
+    assert chunked.prefill_s > one_step.prefill_s
+    assert chunked.prefill_s < one_step.prefill_s + 4 * (decode_step_time(LLAMA8B, 0, 1).total_s)
+
+
+def test_workload_validation():
+    with pytest.raises(ConfigError, match="qps"):
+        Workload(100, 10, 0)
+    with pytest.raises(ConfigError, match="at least 1"):
+        Workload(0, 10, 1)
