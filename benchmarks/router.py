@@ -5,7 +5,8 @@
       added_p50_ms / added_p99_ms  latency percentiles of 400 sequential streamed requests through
                                    `shardserve route`, minus the same sent to the backend directly
       max_rps                      requests/s through the router with 64 concurrent clients for 5 s
-(b) Prefix-aware versus round robin, with 4 real replicas (`shardserve serve smollm2`): groups of
+(b) Prefix-aware versus round robin, with 4 real replicas (`shardserve serve smollm2`, bfloat16,
+    one torch thread each: four replicas share two cores): groups of
     requests share a long prompt prefix (12 groups x 5 requests, 512 shared + 16 own tokens,
     8 output tokens, Poisson arrivals at 1.5 req/s, groups interleaved at random). Round robin
     spreads a group over every replica, so each replica pays the group's prefill once; prefix-aware
@@ -25,7 +26,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -71,10 +71,10 @@ def fake_backend_app():
 
 
 @contextmanager
-def process(cmd: list[str], port: int):
+def process(cmd: list[str], port: int, env: dict | None = None):
     from shardserve.server.process import server_process
 
-    with server_process(cmd, port, startup_timeout_s=180) as (url, proc):
+    with server_process(cmd, port, startup_timeout_s=180, env=env) as (url, proc):
         yield url
 
 
@@ -174,7 +174,7 @@ def prefix_routing() -> dict:
             print(f"[router] starting replica {i + 1}/4 ...", file=sys.stderr, flush=True)
             cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port",
                    str(port), "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048", "--log-level", "warning"]
-            replicas.append(stack.enter_context(process(cmd, port)))
+            replicas.append(stack.enter_context(process(cmd, port, {"OMP_NUM_THREADS": "1"})))
         for seed, policy in enumerate(("round_robin", "prefix_aware"), start=1):
             with ExitStack() as router_stack:
                 router = start_router(router_stack, replicas, policy)

@@ -134,14 +134,14 @@ def add_route_parser(sub) -> None:
     route.add_argument("--max-outstanding-per-replica", type=int, default=64,
                        help="in-flight requests that saturate a replica; with all saturated, answer 429")
     route.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes")
-    route.add_argument("--probe-timeout", type=float, default=2.0, help="seconds a health probe may take")
+    route.add_argument("--probe-timeout", type=float, default=5.0, help="seconds a health probe may take")
     route.add_argument("--eject-after-failures", type=int, default=3,
                        help="consecutive failed probes or requests that eject a replica")
     route.add_argument("--batch-capacity-fraction", type=float, default=0.5,
                        help="batch-class requests are admitted only below this share of the fleet's capacity")
     route.add_argument("--stall-timeout", type=float, default=10.0,
                        help="seconds without data after which a stream moves to another replica")
-    route.add_argument("--max-attempts", type=int, default=3, help="replicas one request may try")
+    route.add_argument("--max-attempts", type=int, default=4, help="replicas one request may try")
     route.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     route.set_defaults(func=cmd_route)
 

@@ -345,13 +345,13 @@ class RouterConfig:
     # batch-class requests are admitted only while the fleet is below this share of its capacity
     batch_capacity_fraction: float = 0.5
     probe_interval_s: float = 1.0
-    probe_timeout_s: float = 2.0
+    probe_timeout_s: float = 5.0  # generous: a busy replica is slow to answer, not dead
     eject_after_failures: int = 3  # consecutive failed requests or probes
     eject_base_s: float = 2.0  # first ejection; doubles on each failed half-open probe
     eject_max_s: float = 30.0
     stall_timeout_s: float = 10.0  # no byte for this long mid-stream: the replica stalled
     first_token_timeout_s: float = 120.0  # before the first chunk (queueing and prefill)
-    max_attempts: int = 3  # replicas one request may try (first try, retries and resumes)
+    max_attempts: int = 4  # replicas one request may try (first try, retries and resumes)
     prefix_chars: int = 256  # prefix-aware routing keys on this much of the prompt
     prefix_load_slack: float = 1.25  # ... unless its replica is this much above the mean load
     log_level: str = "warning"

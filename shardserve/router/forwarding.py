@@ -101,6 +101,7 @@ class Forwarder:
                 continue
             finally:
                 replica.outstanding -= 1
+            replica.last_data_at = time.monotonic()
             self.pool.record_success(replica)
             self.metrics.requests.labels(replica.url, "ok" if status < 400 else "client_error").inc()
             return status, answer
@@ -223,6 +224,7 @@ class Forwarder:
                 if "error" in chunk:
                     raise ReplicaFailed(f"error event: {chunk['error'].get('message')}")
                 watchdog.touch(self.config.stall_timeout_s)
+                replica.last_data_at = watchdog.last_data_at
                 yield sse(progress.observe(chunk))
             failure = "the stream ended without [DONE]"
         except (httpx.HTTPError, httpx.StreamError) as exc:  # StreamClosed: the watchdog closed it
@@ -244,21 +246,27 @@ class Forwarder:
 
 
 class StallWatchdog:
-    """Closes a replica's response when no data came for `timeout_s` or the replica was ejected
-    (checked every 0.25 s): the reader then sees the stream end and moves the request on."""
+    """Closes a replica's response when no data came for `timeout_s`, or when the replica was
+    ejected and this stream too has been silent for a second (a stream still flowing stays put);
+    checked every 0.25 s. The reader then sees the stream end and moves the request on."""
+
+    EJECTED_SILENCE_S = 1.0
 
     def __init__(self, replica: Replica, response: httpx.Response, timeout_s: float):
         self.replica, self.response = replica, response
-        self.deadline = time.monotonic() + timeout_s
+        self.last_data_at = time.monotonic()
+        self.deadline = self.last_data_at + timeout_s
         self.reason: str | None = None
 
     def touch(self, timeout_s: float) -> None:
-        self.deadline = time.monotonic() + timeout_s
+        self.last_data_at = time.monotonic()
+        self.deadline = self.last_data_at + timeout_s
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            if self.replica.state == "ejected":
+            silent_s = time.monotonic() - self.last_data_at
+            if self.replica.state == "ejected" and silent_s >= self.EJECTED_SILENCE_S:
                 self.reason = "replica ejected mid-stream"
             elif time.monotonic() > self.deadline:
                 self.reason = "the replica stalled (no data within the stall timeout)"

@@ -38,6 +38,9 @@ class HealthMonitor:
         try:
             response = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
             healthy = response.status_code == 200
+        except httpx.TimeoutException:
+            # slow to answer but still streaming to us: busy, not dead
+            healthy = time.monotonic() - replica.last_data_at < self.timeout_s
         except httpx.HTTPError:
             healthy = False
         if not healthy:

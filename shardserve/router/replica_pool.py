@@ -7,7 +7,8 @@ Circuit breaker per replica:
        ^                                   ^                            |
        +------- probe succeeds ------------+---- probe fails (backoff x2)+
 
-A replica that answers 429 is busy, not failing: that never counts against it.
+A replica that answers 429 is busy, not failing: that never counts against it. Nor does a probe
+that times out while the replica's streams are still sending data: it is busy, not dead.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Replica:
     eject_s: float = 0.0  # the current backoff
     load: LoadSignals = field(default_factory=LoadSignals)
     info: dict = field(default_factory=dict)  # its /v1/models card: model, layout
+    last_data_at: float = 0.0  # time.monotonic() of the last bytes it sent us (a busy replica still streams)
 
     @property
     def routable(self) -> bool:

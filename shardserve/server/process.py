@@ -22,14 +22,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(cmd: list[str], port: int, startup_timeout_s: float = 120) -> Iterator[tuple[str, subprocess.Popen]]:
+def server_process(cmd: list[str], port: int, startup_timeout_s: float = 120,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `cmd` (which must listen on `port`), wait for `GET /health` == 200, yield
-    (base_url, process). The process leads its own session, so stopping it stops its children.
+    (base_url, process); `env` adds to the environment. The process leads its own session, so stopping it stops its children.
     Its output goes to a temporary file (a pipe nobody reads could fill and stall it); the file's
     tail is in the error when the process dies or never becomes healthy."""
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
         try:
             _wait_healthy(proc, base_url, startup_timeout_s, log)
             yield base_url, proc
