@@ -18,12 +18,14 @@ import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from shardserve.config import ConfigError, EngineConfig, ParallelConfig
 from shardserve.parallel.groups import ParallelGroups
@@ -135,6 +137,9 @@ def _spawned_rank_main(index: int, config: EngineConfig, first_rank: int, init_m
                        parent_pid: int) -> None:
     rank = first_rank + 1 + index
     _die_with_parent(parent_pid)
+    # tqdm's default lock is a multiprocessing semaphore that os._exit would leak (and the
+    # resource tracker would warn about); a worker shows no progress bars anyway
+    tqdm.set_lock(threading.RLock())
     try:
         _init_process_group(config, rank, init_method, local_size)
         serve_as_worker(config, ParallelGroups.build(config.parallel, rank))
