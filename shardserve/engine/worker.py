@@ -74,15 +74,15 @@ class Worker:
                 dist.recv(hidden_in, src=groups.prev_stage_rank)
             compute_start, comm_before = time.perf_counter(), groups.stats.seconds
             hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.meta, hidden_in)
-            if not groups.is_last_stage:
-                sends.append(dist.isend(hidden, dst=groups.next_stage_rank))
+            if not groups.is_last_stage:  # the tensor stays referenced until its send completes
+                sends.append((dist.isend(hidden, dst=groups.next_stage_rank), hidden))
             elif inputs.sample_req_ids:
                 if groups.rank == groups.sampler_rank:
                     sampled.update(runner.sample(inputs, hidden))
                 else:  # the vocab-parallel head is a collective: every last-stage rank takes part
                     runner.model.compute_logits(hidden[inputs.sample_indices])
             compute_s += time.perf_counter() - compute_start - (groups.stats.seconds - comm_before)
-        for send in sends:
+        for send, _ in sends:
             send.wait()
         sampled = self._share_sampled(sampled)
         runner.record(sampled)

@@ -1,4 +1,4 @@
-"""Our Llama-family model against transformers' own implementation on the same weights."""
+"""Our decoder (dense and MoE families) against transformers' own implementation on the same weights."""
 import random
 
 import pytest
@@ -9,7 +9,7 @@ from shardserve import SamplingParams
 from shardserve.llm import LLM
 from tests.engine_helpers import engine_logits, hf_greedy, relative_error
 
-FAMILIES = ["llama", "mistral", "qwen2", "llama3"]
+FAMILIES = ["llama", "mistral", "qwen2", "llama3", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
