@@ -32,7 +32,8 @@ def add_cluster_routes(app: FastAPI, supervisor: Supervisor) -> None:
                 raise ReshardError(400, "the body must be a JSON object")
             unknown = sorted(set(body) - RESHARD_KEYS)
             if unknown:
-                raise ReshardError(400, f"unknown fields {', '.join(unknown)}; known: {', '.join(sorted(RESHARD_KEYS))}")
+                raise ReshardError(400, f"unknown fields {', '.join(unknown)}; "
+                                        f"known: {', '.join(sorted(RESHARD_KEYS))}")
             for key in ("tp", "pp", "ep", "replicas"):
                 if key in body and (not isinstance(body[key], int) or isinstance(body[key], bool)):
                     raise ReshardError(400, f"{key} must be an integer")

@@ -72,4 +72,5 @@ def decide(policy: AutoscaleConfig, load: GroupLoad, current: int, state: Autosc
             return ScaleDecision(current - 1, f"low load ({signals}) for {now_s - low_since_s:.0f} s",
                                  AutoscaleState(last_change_s=now_s, low_since_s=None))
         return ScaleDecision(current, f"low load ({signals})", state)
-    return ScaleDecision(current, f"within the hysteresis band ({signals})", dataclasses.replace(state, low_since_s=None))
+    return ScaleDecision(current, f"within the hysteresis band ({signals})",
+                         dataclasses.replace(state, low_since_s=None))

@@ -94,7 +94,8 @@ def _get_status(url: str) -> dict:
     except httpx.HTTPError as exc:
         raise ConfigError(f"cannot reach the cluster at {url}: {exc}") from None
     if response.status_code != 200:
-        raise ConfigError(f"{url} answered {response.status_code} (is it a `shardserve cluster`?): {_message(response)}")
+        raise ConfigError(f"{url} answered {response.status_code} (is it a `shardserve cluster`?): "
+                          f"{_message(response)}")
     return response.json()
 
 

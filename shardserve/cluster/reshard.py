@@ -108,6 +108,9 @@ async def run_reshard(supervisor: Supervisor, progress: ReshardProgress, new_gro
         while any(m.name in supervisor.replicas or (m.process and m.process.exit_code() is None) for m in old):
             await asyncio.sleep(POLL_S)  # the supervisor stops each once idle (or at its drain timeout)
         progress.state = "done"
+    except asyncio.CancelledError:
+        progress.state, progress.error = "failed", "the cluster stopped during the reshard"
+        raise
     except Exception as exc:  # noqa: BLE001 - reported in the status, not lost in a task
         progress.state, progress.error = "failed", f"{type(exc).__name__}: {exc}"
         raise

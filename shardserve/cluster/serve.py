@@ -23,6 +23,7 @@ def run_cluster(config: ClusterConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code. A group whose layout cannot split its
     model raises ConfigError before anything starts."""
     logging.basicConfig(level=config.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health probe
     for group in config.groups:
         check_layout(group.model, group.layout)
     log_dir = Path(config.supervisor.log_dir or tempfile.mkdtemp(prefix="shardserve-cluster-"))

@@ -56,8 +56,11 @@ class ManagedReplica:
 
 
 class Supervisor:
-    def __init__(self, config: ClusterConfig, router: Router, log_dir: Path):
+    """`start_process(group, port, log_path, devices)` starts a replica process (tests pass a fake)."""
+
+    def __init__(self, config: ClusterConfig, router: Router, log_dir: Path, start_process=ReplicaProcess):
         self.config, self.router, self.log_dir = config.supervisor, router, log_dir
+        self.start_process = start_process
         self.groups = {g.name: g for g in config.groups}
         self.targets = {g.name: g.replicas for g in config.groups}
         self.autoscale_states = {g.name: AutoscaleState() for g in config.groups}
@@ -95,8 +98,10 @@ class Supervisor:
         elif m.state == "draining":
             routed = self.router.pool.replicas.get(m.process.url)
             idle = routed is None or routed.outstanding == 0
-            if idle or m.process.exit_code() is not None or now - m.drain_started_s >= self.config.drain_timeout_s:
-                log.info("replica %s drained%s; stopping it", m.name, "" if idle else " (timed out)")
+            exited = m.process.exit_code() is not None
+            if idle or exited or now - m.drain_started_s >= self.config.drain_timeout_s:
+                why = "drained" if idle else "exited while draining" if exited else "drain timed out"
+                log.info("replica %s %s; stopping it", m.name, why)
                 self._forget(m)
 
     def _check_serving(self, m: ManagedReplica, now: float) -> None:
@@ -112,7 +117,8 @@ class Supervisor:
         if routed.state == "healthy":
             m.unhealthy_since_s = None
         else:
-            m.unhealthy_since_s = m.unhealthy_since_s or now
+            if m.unhealthy_since_s is None:
+                m.unhealthy_since_s = now
             if now - m.unhealthy_since_s >= self.config.unhealthy_restart_s:
                 self._crashed(m, f"failed health checks for {now - m.unhealthy_since_s:.0f} s", now)
                 return
@@ -134,9 +140,14 @@ class Supervisor:
             m.last_error = f"waiting for {m.group.layout.world_size} free devices"
             m.restart_at_s = now + DEVICE_RETRY_S
             return
+        try:
+            process = self.start_process(m.group, free_port(), self.log_dir / f"{m.name}.log", devices)
+        except OSError as exc:  # e.g. its log folder is gone: retried like a crash
+            self.devices.give_back(devices)
+            self._schedule_restart(m, f"could not start: {exc}", now)
+            return
         if m.process is not None:
             m.num_restarts += 1
-        process = ReplicaProcess(m.group, free_port(), self.log_dir / f"{m.name}.log", devices)
         m.process, m.state = process, "starting"
         log.info("replica %s (%s) starting on %s, pid %d", m.name, m.group.layout, process.url, process.pid)
         self.background(self._await_ready(m, process))
@@ -155,14 +166,17 @@ class Supervisor:
             log.info("replica %s serving at %s", m.name, process.url)
 
     def _crashed(self, m: ManagedReplica, reason: str, now: float) -> None:
+        tail = m.process.log_tail().splitlines()[-1:] or [""]
+        self._schedule_restart(m, reason, now, f" (last log line: {tail[0]})")
+        self._stop_process(m.process)
+
+    def _schedule_restart(self, m: ManagedReplica, reason: str, now: float, detail: str = "") -> None:
         m.consecutive_crashes += 1
         delay_s = min(self.config.restart_backoff_max_s,
                       self.config.restart_backoff_s * 2 ** (m.consecutive_crashes - 1))
-        tail = m.process.log_tail().splitlines()[-1:] or [""]
-        log.warning("replica %s %s (last log line: %s); restarting in %.1f s", m.name, reason, tail[0], delay_s)
+        log.warning("replica %s %s%s; restarting in %.1f s", m.name, reason, detail, delay_s)
         m.last_error = reason
         m.state, m.restart_at_s, m.serving_since_s = "backoff", now + delay_s, None
-        self._stop_process(m.process)
 
     def retire(self, m: ManagedReplica, now: float) -> None:
         """Take `m` out of service: drain it if it serves, else stop it now."""
@@ -250,7 +264,8 @@ class Supervisor:
     # --- views and shutdown -------------------------------------------------------------------------
     def status(self) -> dict:
         groups = [{"name": g.name, "model": g.model, "layout": g.layout.as_dict(), "target_replicas": self.targets[n],
-                   "autoscale": dataclasses.asdict(g.autoscale) if g.autoscale else None, "resharding": n in self.paused}
+                   "autoscale": dataclasses.asdict(g.autoscale) if g.autoscale else None,
+                   "resharding": n in self.paused}
                   for n, g in self.groups.items()]
         replicas = []
         for m in self.replicas.values():
@@ -258,7 +273,8 @@ class Supervisor:
             replicas.append({
                 "name": m.name, "group": m.group.name, "layout": m.group.layout.as_dict(), "state": m.state,
                 "url": m.process.url if m.process else None, "pid": m.process.pid if m.process else None,
-                "devices": list(m.process.devices) if m.process else [], "router_state": routed.state if routed else None,
+                "devices": list(m.process.devices) if m.process else [],
+                "router_state": routed.state if routed else None,
                 "outstanding": routed.outstanding if routed else 0, "num_restarts": m.num_restarts,
                 "last_error": m.last_error, "log": str(m.process.log_path) if m.process else None})
         return {"groups": groups, "replicas": replicas, "devices_free": self.devices.num_free(),

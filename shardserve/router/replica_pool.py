@@ -58,10 +58,11 @@ class ReplicaPool:
             self.add(url)
 
     def add(self, url: str) -> Replica:
+        """A new replica starts half-open: it takes traffic only after its first probe succeeds."""
         url = url.rstrip("/")
         replica = self.replicas.get(url)
         if replica is None or replica.state == "draining":
-            replica = self.replicas[url] = Replica(url)
+            replica = self.replicas[url] = Replica(url, state="half_open")
         return replica
 
     def drain(self, url: str) -> Replica | None:

@@ -3,7 +3,10 @@ idle capacity without hurting interactive latency."""
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import httpx
@@ -85,38 +88,48 @@ def test_batch_backlog_leaves_interactive_ttft_within_1_5x(tiny_checkpoints):
             raise AssertionError(f"interactive TTFT p99 over a batch backlog / alone: {ratios}, all above 1.5")
 
 
+BACKLOG_SCRIPT = """
+import asyncio, json, sys, time
+import httpx
+
+async def main(url, model, seconds):
+    done = {"ok": 0, "deferred": 0}
+    deadline = time.monotonic() + seconds
+
+    async def worker(client, w):
+        i = 0
+        while time.monotonic() < deadline:
+            body = {"model": model, "prompt": f"Batch job {w}-{i}", "max_tokens": 64, "temperature": 0,
+                    "ignore_eos": True}
+            r = await client.post(f"{url}/v1/completions", json=body, timeout=120, headers={"X-Request-Class": "batch"})
+            if r.status_code == 200:
+                done["ok"] += 1
+            else:
+                assert r.status_code == 429, r.status_code
+                done["deferred"] += 1
+                await asyncio.sleep(0.2)
+            i += 1
+
+    async with httpx.AsyncClient() as client:
+        await asyncio.gather(*(worker(client, w) for w in range(24)))
+    print(json.dumps(done))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""
+
+
 def compare_with_backlog(router_url: str, model: str) -> tuple[list[float], list[float], int, int]:
-    """Interactive TTFTs alone, then over a running batch backlog; batch requests done and deferred."""
+    """Interactive TTFTs alone, then over a batch backlog that another process keeps up (as
+    other clients would); batch requests done and deferred."""
     alone = [t for _ in range(3) for t in asyncio.run(interactive_ttfts(router_url, model, 8))]
-
-    async def with_backlog() -> tuple[list[float], int, int]:
-        done = {"ok": 0, "deferred": 0}
-        stop = asyncio.Event()
-
-        async def batch_worker(client: httpx.AsyncClient, w: int) -> None:
-            i = 0
-            while not stop.is_set():
-                body = {"model": model, "prompt": f"Batch job {w}-{i}", "max_tokens": 64, "temperature": 0,
-                        "ignore_eos": True}
-                response = await client.post(f"{router_url}/v1/completions", json=body, timeout=120,
-                                             headers={"X-Request-Class": "batch"})
-                if response.status_code == 200:
-                    done["ok"] += 1
-                else:
-                    assert response.status_code == 429
-                    done["deferred"] += 1
-                    await asyncio.sleep(0.2)
-                i += 1
-
-        async with httpx.AsyncClient() as client:
-            workers = [asyncio.ensure_future(batch_worker(client, w)) for w in range(24)]
-            await asyncio.sleep(2.0)  # the backlog is running
-            ttfts = []
-            for _ in range(3):
-                ttfts += await interactive_ttfts(router_url, model, 8)
-            stop.set()
-            await asyncio.gather(*workers)
-        return ttfts, done["ok"], done["deferred"]
-
-    busy, batch_done, deferred = asyncio.run(with_backlog())
-    return alone, busy, batch_done, deferred
+    backlog = subprocess.Popen([sys.executable, "-c", BACKLOG_SCRIPT, router_url, model, "6"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.0)  # the backlog is running
+        busy = [t for _ in range(3) for t in asyncio.run(interactive_ttfts(router_url, model, 8))]
+        out, _ = backlog.communicate(timeout=120)
+    finally:
+        backlog.kill()
+    assert backlog.returncode == 0
+    done = json.loads(out.strip().splitlines()[-1])
+    return alone, busy, done["ok"], done["deferred"]
