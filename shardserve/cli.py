@@ -103,7 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = args.model_pos or args.model
     server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          max_waiting_requests=args.max_waiting_requests, log_level=args.log_level)
+                          max_waiting_requests=args.max_waiting_requests, log_level=args.log_level,
+                          calibration=args.calibration, device_price_per_hour_usd=args.device_price_per_hour)
     return run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server)
 
 
@@ -190,6 +191,11 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="unscheduled requests beyond this get HTTP 429")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--calibration", default=None, metavar="FILE",
+                       help="`shardserve profile`'s calibration.json: device peaks for the live MFU/MBU metrics")
+    serve.add_argument("--device-price-per-hour", type=float, default=None, metavar="USD",
+                       help="price of one device-hour, for shardserve:cost_per_million_tokens_usd "
+                            "(default: the calibration's, else 0)")
     serve.add_argument("--config", help="YAML file of flag values; command-line flags override it")
     serve.set_defaults(func=cmd_serve)
 
@@ -199,6 +205,12 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     from shardserve.planner.cli_args import add_plan_parser
 
     add_plan_parser(sub)
+    from shardserve.sim.cli_args import add_simulate_parser
+
+    add_simulate_parser(sub)
+    from shardserve.profiler.cli_args import add_profile_parser
+
+    add_profile_parser(sub)
     add_route_parser(sub)
     from shardserve.cluster.cli_args import add_cluster_parser
 

@@ -330,6 +330,9 @@ class ServerConfig:
     served_model_name: str | None = None  # defaults to the --model value
     max_waiting_requests: int = 256  # beyond this many unscheduled requests, answer 429
     log_level: str = "info"
+    # live efficiency metrics: the profiler's calibration file (device peaks) and the device price
+    calibration: str | None = None
+    device_price_per_hour_usd: float | None = None  # default: the calibration's hardware price, else 0
 
 
 @dataclass(frozen=True)

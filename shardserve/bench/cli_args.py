@@ -34,6 +34,17 @@ def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)")
     p.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
+    add_workload_args(p)
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each request")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_bench_command)
+
+
+def add_workload_args(p) -> None:
+    """The flags that say what load to offer and how to report it (shared with `shardserve simulate`)."""
     p.add_argument("--num-requests", type=int, default=64, help="requests per load level")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", default=None,
@@ -53,12 +64,6 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--slo", default=None, help="goodput targets, e.g. ttft_ms=500,tpot_ms=50 (also e2e_ms)")
     p.add_argument("--result-json", default=None, help="write the results (with per-request records) here")
     p.add_argument("--plot-dir", default=None, help="write latency CDF and load-sweep PNGs here")
-    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="bound on each request")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_bench_command)
 
 
 def _parse_concurrency(text: str) -> list[int]:
@@ -104,13 +109,13 @@ def _parse_extra_body(text: str | None) -> dict:
     return body
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def check_workload_args(args: argparse.Namespace) -> None:
+    """ConfigError (one line) on workload flags that cannot make a run."""
     checks = [
         (args.num_requests >= 1, f"--num-requests must be >= 1, got {args.num_requests}"),
         (args.input_len >= 1 and args.output_len >= 1, "--input-len and --output-len must be >= 1"),
         (0 <= args.range_ratio < 1, f"--range-ratio must be in [0, 1), got {args.range_ratio}"),
         (0 < args.burstiness < math.inf, f"--burstiness must be > 0, got {args.burstiness}"),
-        (0 < args.timeout_s < math.inf, f"--timeout-s must be > 0, got {args.timeout_s}"),
         (args.max_concurrency is None or args.max_concurrency >= 1, "--max-concurrency must be >= 1"),
         (args.max_concurrency is None or args.concurrency is None,
          "--max-concurrency caps an open loop; with --concurrency the level is the cap"),
@@ -120,22 +125,34 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ConfigError(message)
 
 
-def _levels_and_workloads(args: argparse.Namespace) -> list[tuple[LoadLevel, list[RequestSpec]]]:
+def _check_args(args: argparse.Namespace) -> None:
+    check_workload_args(args)
+    if not 0 < args.timeout_s < math.inf:
+        raise ConfigError(f"--timeout-s must be > 0, got {args.timeout_s}")
+
+
+def level_configs(args: argparse.Namespace) -> list[tuple[LoadLevel, WorkloadConfig]]:
+    """Each load level the flags ask for, with the WorkloadConfig of its requests (a closed loop's
+    requests are all sent at 0: callers zero a jsonl trace's own arrival times)."""
     base = WorkloadConfig(num_requests=args.num_requests, dataset=args.dataset, input_len=args.input_len,
                           output_len=args.output_len, range_ratio=args.range_ratio,
                           burstiness=args.burstiness, seed=args.seed)
+    if args.request_rate is None:
+        return [(LoadLevel(concurrency=c), dataclasses.replace(base, prompt_salt=salt))
+                for salt, c in enumerate(_parse_concurrency(args.concurrency or "1"))]
+    return [(LoadLevel(args.max_concurrency, rate, args.burstiness),
+             dataclasses.replace(base, request_rate_qps=rate, prompt_salt=salt))
+            for salt, rate in enumerate(_parse_rates(args.request_rate, args.dataset))]
+
+
+def _levels_and_workloads(args: argparse.Namespace) -> list[tuple[LoadLevel, list[RequestSpec]]]:
     try:
-        if args.request_rate is None:
-            plans = []
-            for salt, c in enumerate(_parse_concurrency(args.concurrency or "1")):
-                # a closed loop ignores arrival times (a jsonl trace may carry some)
-                workload = build_workload(dataclasses.replace(base, prompt_salt=salt))
-                plans.append((LoadLevel(concurrency=c), [dataclasses.replace(s, arrival_time_s=0.0) for s in workload]))
-            return plans
         plans = []
-        for salt, rate in enumerate(_parse_rates(args.request_rate, args.dataset)):
-            workload = build_workload(dataclasses.replace(base, request_rate_qps=rate, prompt_salt=salt))
-            plans.append((LoadLevel(args.max_concurrency, rate, args.burstiness), workload))
+        for level, config in level_configs(args):
+            workload = build_workload(config)
+            if args.request_rate is None:  # a closed loop ignores arrival times (a jsonl trace may carry some)
+                workload = [dataclasses.replace(s, arrival_time_s=0.0) for s in workload]
+            plans.append((level, workload))
         return plans
     except ValueError as exc:
         if isinstance(exc, ConfigError):
@@ -162,14 +179,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
         results.append(result)
     if len(results) > 1:
         print(format_summary(results))
-    _write_outputs(args, results)
+    write_outputs(args, results)
     if not any(r.num_ok for r in results):
         print("shardserve bench: no request succeeded", file=sys.stderr)
         return 1
     return 0
 
 
-def _write_outputs(args: argparse.Namespace, results: list[BenchResult]) -> None:
+def write_outputs(args: argparse.Namespace, results: list[BenchResult]) -> None:
+    """--result-json and --plot-dir, when given (also `shardserve simulate`'s)."""
     if args.result_json:
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,12 @@ hash of (parent block's hash, the block's token ids), so equal prefixes give equ
 
 A freed block keeps its hash and stays findable until it is reused: free blocks sit in an LRU
 queue (front = evicted first), and a prefix hit on a free block takes it back out of the queue.
-Reference counts let many requests share one cached block.
+Reference counts let many requests share one cached block. The queue, front to back:
+
+    [ freed, nothing cached (latest first) | never used (by id) | freed, cached (oldest first) ]
+
+Blocks are made on first use, so a pool of many blocks costs nothing until it fills (the
+simulator holds a thousand replicas' pools at once).
 """
 from __future__ import annotations
 
@@ -30,24 +35,26 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._num_blocks = num_blocks
+        self.blocks: list[Block] = []  # made on first use: block i exists once i < len(blocks)
+        self._free_front: list[int] = []  # freed blocks holding no hash: a stack, top = front of the queue
+        self._free_back: OrderedDict[int, None] = OrderedDict()  # freed cached blocks, least recent first
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self._free_front) + self._num_blocks - len(self.blocks) + len(self._free_back)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
-        return 1.0 - len(self.free) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / self._num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -80,7 +87,7 @@ class BlockManager:
         num_tokens = req.num_computed_tokens + len(prefix_hits) * self.block_size + num_new_tokens
         needed = self.blocks_needed(num_tokens) - len(req.block_ids) - len(prefix_hits)
         reclaimed = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)  # hits sitting in the free queue
-        return needed <= len(self.free) - reclaimed
+        return needed <= self.num_free_blocks - reclaimed
 
     def allocate(self, req: Request, num_new_tokens: int, prefix_hits: list[int] = ()) -> None:
         """Grow `req`'s block table to hold `num_new_tokens` more tokens, taking `prefix_hits`
@@ -88,14 +95,14 @@ class BlockManager:
         for block_id in prefix_hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free[block_id]
+                self._take_free(block_id)
             block.ref_count += 1
             req.block_ids.append(block_id)
         req.num_computed_tokens += len(prefix_hits) * self.block_size
         needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
         for _ in range(needed):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self._pop_free()
+            block_id = block.block_id
             if block.hash is not None:  # evict the least recently freed cached block
                 if self.cached.get(block.hash) == block_id:
                     del self.cached[block.hash]
@@ -126,14 +133,30 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
                 if block.hash is None:  # holds nothing reusable: hand it out first
-                    self.free.move_to_end(block_id, last=False)
+                    self._free_front.append(block_id)
+                else:
+                    self._free_back[block_id] = None
         req.block_ids = []
         req.num_published_blocks = 0
 
+    def _pop_free(self) -> Block:
+        """The block at the front of the free queue, out of it."""
+        if self._free_front:
+            return self.blocks[self._free_front.pop()]
+        if len(self.blocks) < self._num_blocks:
+            self.blocks.append(Block(len(self.blocks)))
+            return self.blocks[-1]
+        block_id, _ = self._free_back.popitem(last=False)
+        return self.blocks[block_id]
+
+    def _take_free(self, block_id: int) -> None:
+        """Take a free block (a prefix hit) out of the queue."""
+        if self._free_back.pop(block_id, False) is False:
+            self._free_front.remove(block_id)
+
     def reset_prefix_cache(self) -> None:
-        for block_id in self.free:
+        for block_id in [*self._free_front, *self._free_back]:
             self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
 

@@ -17,6 +17,7 @@ from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.detokenizer import IncrementalDetokenizer
 from shardserve.engine.model_loader import LoadedModel, load_model
 from shardserve.engine.executor import ParallelExecutor
+from shardserve.engine.interface import StepRecord
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.worker import StepStats, Worker
 from shardserve.models.checkpoint import load_checkpoint
@@ -64,6 +65,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self._prompts: dict[str, str | None] = {}
+        self.last_step: StepRecord | None = None  # the latest step's batch and wall time
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -174,6 +176,7 @@ class LLMEngine:
 
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         updated = self.scheduler.update(sched, result)
@@ -190,6 +193,8 @@ class LLMEngine:
             if stop is not None and not req.is_finished:
                 self.scheduler.finish_request(req.req_id, FinishReason.STOP, stop)
             outputs.append(self._output(req, self._detokenizers[req.req_id].take_new_text(req.is_finished), [token_id]))
+        batch = tuple((s.num_tokens, s.start_pos + s.num_tokens) for s in sched.seqs)
+        self.last_step = StepRecord(batch, time.perf_counter() - start)
         return outputs
 
     def _output(self, req: Request, new_text: str, new_token_ids: list[int]) -> RequestOutput:

@@ -59,6 +59,15 @@ class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # req_id -> token
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step computed and how long it took (read by the server's live efficiency
+    metrics; no profiler involved)."""
+
+    batch: tuple[tuple[int, int], ...]  # (new tokens, context length) per scheduled sequence
+    duration_s: float  # wall time of LLMEngine.step()
+
+
 # --- driver -> workers, over torch.distributed (see engine/executor.py) ----------------------------
 @dataclass
 class Heartbeat:

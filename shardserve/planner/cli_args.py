@@ -22,7 +22,8 @@ def add_plan_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="plan deployments: parallel layout x replicas x hardware, by cost")
     p.add_argument("--model", default=None,
                    help="preset (llama-3.1-8b, llama-3.1-70b, mixtral-8x7b, qwen3-30b-a3b), HF folder or .gguf")
-    p.add_argument("--hardware", default=None, help="comma list of catalog devices, e.g. H100,H200,MI300X")
+    p.add_argument("--hardware", default=None, help="comma list of catalog devices, e.g. H100,H200,MI300X "
+                                                    "(or a profiled host named in --calibration, e.g. 'this host')")
     p.add_argument("--isl", type=int, default=1024, help="mean prompt length in tokens")
     p.add_argument("--osl", type=int, default=256, help="mean output length in tokens")
     p.add_argument("--qps", type=float, default=None, help="arrival rate to serve, requests/s (Poisson)")
@@ -53,7 +54,9 @@ def _devices(names: list[str], what_if: str | None, calibration_path: str | None
     calibration = load_calibration(calibration_path) if calibration_path else None
     devices, seen = [], set()
     for name in names:
-        hw = get_hardware(name, catalog)
+        # a profiled host (not in the catalog) is planned on the peaks its calibration recorded
+        measured = calibration.hardware_for(name) if calibration else None
+        hw = measured if measured is not None else get_hardware(name, catalog)
         if hw.name in seen:
             continue
         seen.add(hw.name)
@@ -67,7 +70,7 @@ def _efficiency_line(devices) -> str:
     line = "efficiency: " + "; ".join(labels)
     if any(not eff.calibrated for _, eff in devices):
         line += ("\n  (uncalibrated = literature priors: gemm 0.7, attention 0.5, memory 0.8, network 0.7,"
-                 " 2 ms per step; pass --calibration FILE from the profiler)")
+                 " 2 ms per step; pass --calibration FILE from `shardserve profile`)")
     return line
 
 

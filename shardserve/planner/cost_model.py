@@ -3,13 +3,20 @@
 A `Deployment` is one replica: model, ParallelConfig (the engine's own layout, see rank_shards),
 device, dtype and efficiency factors. Per rank of each pipeline stage, for one micro-batch:
 
-    gemm      = max(gemm_flops / (peak * eff.gemm),      weight_bytes_read / (mem_bw * eff.memory))
-    attention = max(attn_flops / (peak * eff.attention), kv_bytes_read     / (mem_bw * eff.memory))
+    gemm      = roof(gemm_flops / (peak * eff.gemm),  weight_bytes_read / (mem_bw * eff.memory))
+    attention = roof(prefill_attn_flops / (peak * eff.attention)
+                     + decode_attn_flops / (peak * eff.decode_attention_factor),
+                     kv_bytes_read / (mem_bw * eff.memory))
     stage     = gemm + attention + comm (collectives and the p2p send on, at link bw * eff.network)
+    roof(compute, memory) = max(compute, memory) + (1 - eff.overlap) * min(compute, memory)
+
+(overlap 1, the default, is the classic roofline; a CPU hides only part of the weight streaming
+under the arithmetic, and its calibrated overlap is lower. Decode attention, one query token
+per sequence, runs a different kernel than a prefill chunk's, hence its own factor.)
 
 and a step of m micro-batches through pp stages takes the classic pipeline time
 
-    step = sum(stage) + (m - 1) * max(stage) + eff.step_overhead_s
+    step = sum(stage) + (m - 1) * max(stage) + eff.overhead_s(sequences, new tokens)
 
 (the first micro-batch crosses every stage, the others follow at the slowest stage's pace;
 m = num_micro_batches, default pp, at most one per sequence; m = 1 without pipeline).
@@ -18,7 +25,9 @@ MLP; with ep > 1 a dispatch and a combine all-to-all of each rank's T/ep * k row
 all-gather of [T, h] over the stage (plus the shared expert's all-reduce). The embedding
 all-reduces over tp, the LM head all-gathers the logits, stages hand [T, h] on point-to-point.
 A group that spans more devices than a node has uses the NIC. Norms, rotary, activations and
-sampling are left to the per-step overhead. Uncalibrated factors are guesses (see Efficiency).
+sampling are left to the host overhead, `step_overhead_s + seq_overhead_s * N + token_overhead_s * T`
+for a step of N sequences and T new tokens (the whole step's, not per micro-batch: the host
+prepares and samples the step once). Uncalibrated factors are guesses (see Efficiency).
 """
 from __future__ import annotations
 
@@ -143,11 +152,12 @@ class BatchSummary:
 class _BatchLoad:
     num_tokens: float  # new tokens through the GEMMs
     num_pairs: float  # attended (query, key) pairs
+    num_decode_pairs: float  # the part of num_pairs from one-token chunks (decodes)
     num_context_tokens: float  # KV entries read
     num_seqs: float  # rows that reach the LM head
 
     def split(self, num_parts: int) -> "_BatchLoad":
-        return _BatchLoad(self.num_tokens / num_parts, self.num_pairs / num_parts,
+        return _BatchLoad(self.num_tokens / num_parts, self.num_pairs / num_parts, self.num_decode_pairs / num_parts,
                           self.num_context_tokens / num_parts, self.num_seqs / num_parts)
 
 
@@ -159,12 +169,14 @@ def _batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> _BatchLoad:
         return _BatchLoad(
             num_tokens=b.num_prefill_tokens + b.num_decode_seqs,
             num_pairs=prefill_pairs + b.num_decode_seqs * b.decode_context_len,
+            num_decode_pairs=b.num_decode_seqs * b.decode_context_len,
             num_context_tokens=prefill_seqs * b.prefill_context_len + b.num_decode_seqs * b.decode_context_len,
             num_seqs=prefill_seqs + b.num_decode_seqs,
         )
     return _BatchLoad(
         num_tokens=sum(t for t, _ in batch),
         num_pairs=sum(num_attended_pairs(t, c) for t, c in batch),
+        num_decode_pairs=sum(c for t, c in batch if t == 1),
         num_context_tokens=sum(c for _, c in batch),
         num_seqs=len(batch),
     )
@@ -176,9 +188,9 @@ class StepTime:
 
     gemm_s / attention_s are compute times, memory_s the weight + KV read time, comm_s the
     collectives and pipeline sends, each weighted like the step (sum over stages + (m - 1) times
-    the slowest stage's). total_s takes the roofline max per stage, so it is not the sum of the
-    fields. `bottleneck` is the largest of: compute (op classes whose compute time wins their
-    roofline), memory (those whose memory time wins), network (comm_s), overhead."""
+    the slowest stage's). total_s combines compute and memory per stage with `roof_s`, so it is
+    not the sum of the fields. `bottleneck` is the largest of: compute (op classes whose compute
+    time wins their roofline), memory (those whose memory time wins), network (comm_s), overhead."""
 
     gemm_s: float
     attention_s: float
@@ -205,10 +217,18 @@ class _StageParts:
     attention_s: float
     kv_s: float
     comm_s: float
+    overlap: float = 1.0
 
     @property
     def total_s(self) -> float:
-        return max(self.gemm_s, self.weight_s) + max(self.attention_s, self.kv_s) + self.comm_s
+        return (roof_s(self.gemm_s, self.weight_s, self.overlap) + roof_s(self.attention_s, self.kv_s, self.overlap)
+                + self.comm_s)
+
+
+def roof_s(compute_s: float, memory_s: float, overlap: float) -> float:
+    """Time of work that needs `compute_s` at its compute rate and `memory_s` at its memory rate,
+    when `overlap` of the shorter one hides under the longer (1: the roofline's max; 0: the sum)."""
+    return max(compute_s, memory_s) + (1.0 - overlap) * min(compute_s, memory_s)
 
 
 def _link(dep: Deployment, crosses_nodes: bool) -> tuple[float, float]:
@@ -257,8 +277,19 @@ def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoa
     return total
 
 
-def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> _StageParts:
-    model, par, eff = dep.model, dep.parallel, dep.efficiency
+@dataclass(frozen=True)
+class _StageWork:
+    """One stage's work for one micro-batch, on one of its ranks."""
+
+    gemm_flops: float
+    weight_bytes: float
+    attention_flops: float
+    kv_bytes: float
+    decode_attention_flops: float  # the part of attention_flops from decode tokens
+
+
+def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWork:
+    model, par = dep.model, dep.parallel
     tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
     tokens = load.num_tokens
     # Params every token multiplies by, and params read from memory, on this rank.
@@ -280,15 +311,51 @@ def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad
         head_params = math.ceil(model.vocab_size / tp) * h
         gemm_flops += 2 * load.num_seqs * head_params
         read_params += head_params
-    attn_flops = stage.num_layers * 4 * (model.num_heads / tp) * model.head_dim * load.num_pairs
+    attn_flops_per_pair = stage.num_layers * 4 * (model.num_heads / tp) * model.head_dim
     kv_token_bytes = 2 * stage.num_layers * kv_heads_per_rank(model, tp) * model.head_dim * dep.dtype_bytes
+    return _StageWork(gemm_flops, read_params * dep.dtype_bytes, attn_flops_per_pair * load.num_pairs,
+                      load.num_context_tokens * kv_token_bytes, attn_flops_per_pair * load.num_decode_pairs)
+
+
+def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> _StageParts:
+    eff, work = dep.efficiency, _stage_work(dep, stage, load)
     peak_flop_s = dep.hardware.peak_flop_s_for(dep.dtype)
     mem_bw = dep.hardware.memory_bandwidth_bytes_s * eff.memory
+    prefill_attention_flops = work.attention_flops - work.decode_attention_flops
     return _StageParts(
-        gemm_s=gemm_flops / (peak_flop_s * eff.gemm), weight_s=read_params * dep.dtype_bytes / mem_bw,
-        attention_s=attn_flops / (peak_flop_s * eff.attention),
-        kv_s=load.num_context_tokens * kv_token_bytes / mem_bw, comm_s=_stage_comm_s(dep, stage, index, load),
+        gemm_s=work.gemm_flops / (peak_flop_s * eff.gemm), weight_s=work.weight_bytes / mem_bw,
+        attention_s=(prefill_attention_flops / (peak_flop_s * eff.attention)
+                     + work.decode_attention_flops / (peak_flop_s * eff.decode_attention_factor)),
+        kv_s=work.kv_bytes / mem_bw, comm_s=_stage_comm_s(dep, stage, index, load), overlap=eff.overlap,
     )
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one step asks of one device: FLOPs and bytes read per op class, summed over the
+    pipeline stages a rank of each runs (each stage's ranks work in parallel). Used for MFU / MBU
+    (shardserve/profiler) and the roofline; the same counts `step_time` divides by the peaks."""
+
+    gemm_flops: float
+    attention_flops: float
+    weight_bytes: float
+    kv_bytes: float
+
+    @property
+    def flops(self) -> float:
+        return self.gemm_flops + self.attention_flops
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+def step_work(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepWork:
+    """FLOPs and bytes of one step of `batch` (as `step_time` takes it) on a device of each stage."""
+    load = _batch_load(batch)
+    works = [_stage_work(dep, stage, load) for stage in dep.stages]
+    return StepWork(*(sum(getattr(w, name) for w in works)
+                      for name in ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes")))
 
 
 def _num_micro_batches(par: ParallelConfig, num_seqs: float) -> int:
@@ -312,7 +379,7 @@ def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) 
 
     gemm_s, weight_s, attention_s, kv_s, comm_s = (
         weighted(n) for n in ("gemm_s", "weight_s", "attention_s", "kv_s", "comm_s"))
-    overhead_s = dep.efficiency.step_overhead_s
+    overhead_s = dep.efficiency.overhead_s(load.num_seqs, load.num_tokens)
     total_s = sum(p.total_s for p in parts) + (num_micro - 1) * slowest.total_s + overhead_s
     pairs = ((gemm_s, weight_s), (attention_s, kv_s))
     shares = {"compute": sum(c for c, m in pairs if c >= m), "memory": sum(m for c, m in pairs if m > c),

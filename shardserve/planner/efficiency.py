@@ -1,26 +1,39 @@
-"""Efficiency factors of the cost model (achieved fraction of peak per op class) and the
-calibration file the profiler writes.
+"""Efficiency factors of the cost model (achieved fraction of peak per op class), host overhead
+terms, and the calibration file the profiler writes (`shardserve profile`, docs/profiling.md).
 
-Calibration file (JSON, format "shardserve-efficiency/1"); one entry per device, keyed by its
-catalog name or alias, every factor optional (a missing one keeps the prior):
+Calibration file (JSON); one entry per device, keyed by its catalog name or alias, every factor
+optional (a missing one keeps the prior):
 
     {
-      "format": "shardserve-efficiency/1",
-      "source": "shardserve profile --model ... on 8x H100 SXM, 2025-06-01",
+      "format": "shardserve-efficiency/2",
+      "source": "shardserve profile smollm2 (float32, tp1 pp1 ep1) on this host, 2026-11-29",
       "devices": {
-        "H100 SXM": {
-          "dtype": "bfloat16",
-          "gemm": 0.62, "attention": 0.45, "memory": 0.83, "network": 0.71,
-          "step_overhead_s": 0.0015,
-          "num_samples": 240,
-          "step_time_mape": 0.08
+        "this host": {
+          "dtype": "float32",
+          "gemm": 0.62, "attention": 0.45, "memory": 0.83, "network": 0.7,
+          "step_overhead_s": 0.0015, "seq_overhead_s": 4e-05, "token_overhead_s": 2e-06,
+          "decode_attention": 0.2, "overlap": 0.3,
+          "num_samples": 24,
+          "step_time_mape": 0.08,
+          "hardware": {"name": "this host", "vendor": "measured", "peak_flop_s": {"float32": 1.9e11}, ...}
         }
       }
     }
 
-`num_samples` (profiled steps the fit used) and `step_time_mape` (mean absolute percentage error
-of the fitted model on those steps) are reported, not used. A device absent from the file stays
-uncalibrated, and plans say so.
+Versions: "/1" has the four factors and `step_overhead_s`; "/2" adds `seq_overhead_s` and
+`token_overhead_s` (host work per sequence and per new token of a step: scheduling, input
+preparation, sampling, detokenization, and the elementwise work the roofline leaves out),
+`decode_attention` (the attention factor of decode tokens; null: same as `attention`),
+`overlap` (1: the classic roofline max of compute and memory time; lower: part of the shorter
+adds on, as on a CPU) and the optional `hardware` object. Both versions are read; the fields a
+"/1" file lacks keep the defaults a "/1" fit assumed (0, null, 1).
+
+`hardware` (catalog fields, see hardware_catalog.yaml) records the peaks the factors were fitted
+against. A measured host is not in the catalog and its measured peaks vary from run to run, so a
+consumer of the factors (the planner, the simulator) must pair them with these peaks:
+`Calibration.hardware_for`. `num_samples` (profiled steps the fit used) and `step_time_mape`
+(mean absolute percentage error of the fitted model on those steps) are reported, not used. A
+device absent from the file stays uncalibrated, and plans say so.
 """
 from __future__ import annotations
 
@@ -30,27 +43,45 @@ from pathlib import Path
 from typing import Any
 
 from shardserve.config import ConfigError
-from shardserve.planner.hardware import normalize_device_name
+from shardserve.planner.hardware import Hardware, hardware_from_dict, hardware_to_dict, normalize_device_name
 
-CALIBRATION_FORMAT = "shardserve-efficiency/1"
+CALIBRATION_FORMAT = "shardserve-efficiency/2"
+READABLE_FORMATS = ("shardserve-efficiency/1", CALIBRATION_FORMAT)
 _FACTORS = ("gemm", "attention", "memory", "network")
+_OVERHEADS = ("step_overhead_s", "seq_overhead_s", "token_overhead_s")
+_V2_FIELDS = ("decode_attention", "overlap")
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved fraction of peak per op class, and a fixed cost per engine step.
+    """Achieved fraction of peak per op class, and the host's fixed cost per engine step.
 
     Defaults are uncalibrated priors from the literature (docs/planning.md):
     gemm 0.7 ("up to 0.7 for inference", llm-analysis); attention 0.5 (FlashAttention-2 forward
     reaches ~50-70% of peak; decode attention is memory-bound anyway); memory 0.8 (aiconfigurator's
     empirical HBM scaling factor); network 0.7 (NCCL ring bus bandwidth vs link peak);
-    step_overhead_s 2 ms (scheduling, input prep, sampling, launches per Python engine step)."""
+    step_overhead_s 2 ms (scheduling, input prep, sampling, launches per Python engine step).
+
+    A step's host overhead is `step_overhead_s + seq_overhead_s * sequences + token_overhead_s *
+    new tokens` (`overhead_s`): the priors put it all in the constant; a calibration fitted on a
+    CPU host, where per-sequence sampling and detokenization and per-token elementwise work are
+    not negligible, sets the other two (see shardserve/profiler/calibration_fit.py).
+
+    `decode_attention` is the attention factor of decode tokens (one query per sequence: a
+    different, memory-streaming kernel from a prefill chunk's); None uses `attention`.
+    `overlap` is how much of the shorter of an op class's compute and memory time hides under
+    the longer (cost_model.roof_s): 1 is the classic roofline (a GPU streams weights while its
+    tensor cores run); a CPU's fitted overlap is lower, its time nearer the sum of the two."""
 
     gemm: float = 0.7
     attention: float = 0.5
     memory: float = 0.8
     network: float = 0.7
     step_overhead_s: float = 2e-3
+    seq_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+    decode_attention: float | None = None
+    overlap: float = 1.0
     calibrated: bool = False
     source: str = ""  # where calibrated factors came from
     step_time_mape: float | None = None  # the fit's own error on the profiled steps
@@ -59,8 +90,21 @@ class Efficiency:
         for name in _FACTORS:
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"Efficiency.{name} must be in (0, 1], got {getattr(self, name)}")
-        if self.step_overhead_s < 0:
-            raise ConfigError("Efficiency.step_overhead_s must be >= 0")
+        for name in _OVERHEADS:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"Efficiency.{name} must be >= 0")
+        if self.decode_attention is not None and not 0 < self.decode_attention <= 1:
+            raise ConfigError(f"Efficiency.decode_attention must be in (0, 1], got {self.decode_attention}")
+        if not 0 <= self.overlap <= 1:
+            raise ConfigError(f"Efficiency.overlap must be in [0, 1], got {self.overlap}")
+
+    @property
+    def decode_attention_factor(self) -> float:
+        return self.attention if self.decode_attention is None else self.decode_attention
+
+    def overhead_s(self, num_seqs: float, num_tokens: float) -> float:
+        """Host time of a step of `num_seqs` sequences computing `num_tokens` new tokens."""
+        return self.step_overhead_s + self.seq_overhead_s * num_seqs + self.token_overhead_s * num_tokens
 
     @property
     def label(self) -> str:
@@ -72,25 +116,40 @@ class Efficiency:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Calibrated efficiencies by device name; `for_device` falls back to the priors."""
+    """Calibrated efficiencies by device name; `for_device` falls back to the priors.
+    `hardware_by_device` holds the peaks each device's factors were fitted against, where the
+    file recorded them (always, for files the profiler writes)."""
 
     source: str
     by_device: tuple[tuple[str, Efficiency], ...]
+    hardware_by_device: tuple[tuple[str, Hardware], ...] = ()
 
     def for_device(self, device_name: str, aliases: tuple[str, ...] = ()) -> Efficiency:
-        names = {normalize_device_name(n) for n in (device_name, *aliases)}
-        for name, eff in self.by_device:
-            if normalize_device_name(name) in names:
-                return eff
-        return Efficiency()
+        return _lookup(self.by_device, device_name, aliases) or Efficiency()
+
+    def hardware_for(self, device_name: str, aliases: tuple[str, ...] = ()) -> Hardware | None:
+        """The device as the profiler saw it (measured or catalog peaks), or None."""
+        return _lookup(self.hardware_by_device, device_name, aliases)
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.by_device)
+
+
+def _lookup(pairs, device_name: str, aliases: tuple[str, ...]):
+    names = {normalize_device_name(n) for n in (device_name, *aliases)}
+    for name, value in pairs:
+        if normalize_device_name(name) in names:
+            return value
+    return None
 
 
 def _device_efficiency(name: str, entry: Any, source: str) -> Efficiency:
     if not isinstance(entry, dict):
         raise ConfigError(f"calibration: device {name!r} must map to an object of factors")
     values: dict[str, Any] = {}
-    for key in (*_FACTORS, "step_overhead_s", "step_time_mape"):
-        if key in entry:
+    for key in (*_FACTORS, *_OVERHEADS, *_V2_FIELDS, "step_time_mape"):
+        if key in entry and not (key == "decode_attention" and entry[key] is None):
             value = entry[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"calibration: device {name!r} field {key!r} is not a number: {value!r}")
@@ -105,14 +164,29 @@ def load_calibration(path: str | Path) -> Calibration:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read calibration file {path}: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
-        raise ConfigError(f"calibration file {path}: expected \"format\": \"{CALIBRATION_FORMAT}\"")
+    if not isinstance(data, dict) or data.get("format") not in READABLE_FORMATS:
+        raise ConfigError(f"calibration file {path}: expected \"format\": \"{CALIBRATION_FORMAT}\" "
+                          f"(or an older {', '.join(READABLE_FORMATS[:-1])})")
     devices = data.get("devices")
     if not isinstance(devices, dict) or not devices:
         raise ConfigError(f"calibration file {path}: expected a non-empty \"devices\" object")
     source = str(data.get("source") or path.name)
     try:
         effs = tuple((str(name), _device_efficiency(str(name), entry, source)) for name, entry in devices.items())
-    except ConfigError as exc:  # out-of-range factors: say which file
+        hardware = tuple((str(name), hardware_from_dict(entry["hardware"])) for name, entry in devices.items()
+                         if isinstance(entry, dict) and "hardware" in entry)
+    except ConfigError as exc:  # out-of-range factors, a malformed hardware entry: say which file
         raise ConfigError(f"calibration file {path}: {exc}") from None
-    return Calibration(source=source, by_device=effs)
+    return Calibration(source=source, by_device=effs, hardware_by_device=hardware)
+
+
+def calibration_document(source: str, device_name: str, efficiency: Efficiency, hardware: Hardware,
+                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON document (current format) for one device's fitted factors; `extra` adds reported
+    fields to the device entry (e.g. dtype, num_samples, the fit's residuals)."""
+    entry: dict[str, Any] = {name: getattr(efficiency, name) for name in (*_FACTORS, *_OVERHEADS, *_V2_FIELDS)}
+    if efficiency.step_time_mape is not None:
+        entry["step_time_mape"] = efficiency.step_time_mape
+    entry.update(extra or {})
+    entry["hardware"] = hardware_to_dict(hardware)
+    return {"format": CALIBRATION_FORMAT, "source": source, "devices": {device_name: entry}}

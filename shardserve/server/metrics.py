@@ -12,13 +12,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from shardserve.engine.engine import LLMEngine
 from shardserve.request import RequestOutput
+from shardserve.server.efficiency_metrics import EfficiencyConfig, LiveEfficiency
 
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                       7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    """`efficiency` adds the live MFU / MBU / cost-per-token gauges and the step-time histogram
+    (efficiency_metrics.py)."""
+
+    def __init__(self, model_name: str, efficiency: EfficiencyConfig | None = None):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -51,6 +55,8 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         self._last_token_time: dict[str, float] = {}
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self.efficiency = LiveEfficiency(r, model_name, efficiency) if efficiency is not None else None
+        self._last_step = None
 
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Called from the engine thread after every step (and abort)."""
@@ -65,6 +71,10 @@ class ServerMetrics:
         now = time.monotonic()
         for out in outputs:
             self._observe_output(out, now)
+        # an abort also calls here, with the previous step's record: count each step once
+        if self.efficiency is not None and engine.last_step is not None and engine.last_step is not self._last_step:
+            self._last_step = engine.last_step
+            self.efficiency.observe(engine.last_step, sum(len(out.new_token_ids) for out in outputs))
         if engine.model_config.is_moe and now - self._last_expert_load >= self.expert_load_interval_s:
             self._last_expert_load = now
             self._observe_expert_load(engine)

@@ -11,6 +11,7 @@ from shardserve.config import EngineConfig, ServerConfig
 from shardserve.engine.engine import LLMEngine
 from shardserve.server.api import build_app
 from shardserve.server.async_engine import AsyncEngine
+from shardserve.server.efficiency_metrics import efficiency_config
 from shardserve.server.metrics import ServerMetrics
 
 
@@ -18,7 +19,9 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     """The FastAPI app and its AsyncEngine (not started)."""
     engine = LLMEngine(engine_config)
     model_name = server_config.served_model_name or engine_config.model
-    metrics = ServerMetrics(model_name)
+    efficiency = efficiency_config(engine_config, engine.model_config, server_config.calibration,
+                                   server_config.device_price_per_hour_usd)
+    metrics = ServerMetrics(model_name, efficiency)
     async_engine = AsyncEngine(engine, server_config.max_waiting_requests, on_step=metrics.observe_step)
     par = engine_config.parallel
     info = {"dtype": engine_config.dtype, "device": engine_config.device,

@@ -5,7 +5,7 @@ and when the request arrives, as an offset from the start of the run. Everything
 Python + numpy and deterministic given a seed, so a simulated run and a measured run can be fed
 exactly the same requests.
 
-Three independent parts compose into `build_workload`:
+Three independent parts compose into `build_workload` (or `iter_workload`, the same requests drawn lazily):
   lengths   random_lengths | sharegpt_like_lengths | load_trace_jsonl  -> (prompt_len, output_len)
   prompts   synthesize_prompt_ids                                       -> token ids per prompt_len
   arrivals  poisson_arrivals | gamma_arrivals | uniform_arrivals | closed_loop_arrivals
@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -242,3 +242,38 @@ def _synthetic_specs(config: WorkloadConfig) -> list[RequestSpec]:
 def _check_count(num: int) -> None:
     if num < 0:
         raise ValueError(f"the number of requests must be >= 0, got {num}")
+
+
+def iter_workload(config: WorkloadConfig) -> Iterator[RequestSpec]:
+    """The requests of `build_workload(config)`, one at a time and equal to them, drawing each
+    synthetic prompt only when it is reached: a million-request simulation then holds the prompts
+    of the requests in flight, not all of them."""
+    _check_count(config.num_requests)
+    if config.dataset.startswith("jsonl:"):
+        yield from build_workload(config)
+        return
+    if config.dataset == "random":
+        lengths = random_lengths(config.num_requests, config.input_len, config.output_len,
+                                 config.range_ratio, config.seed)
+    elif config.dataset == "sharegpt":
+        lengths = sharegpt_like_lengths(config.num_requests, config.seed)
+    else:
+        raise ValueError(f"unknown dataset {config.dataset!r}; expected random, sharegpt or jsonl:PATH")
+    if config.request_rate_qps is None:
+        arrivals_s = [0.0] * len(lengths)
+    else:
+        arrivals_s = gamma_arrivals(len(lengths), config.request_rate_qps, config.burstiness, config.seed + 2)
+    low, high = config.vocab_range
+    if not 0 <= low < high:
+        raise ValueError(f"vocab_range must satisfy 0 <= low < high, got {config.vocab_range}")
+    # synthesize_prompt_ids' draws, in order; drawn a batch of prompts at a time (one call for many
+    # prompts yields the same ids as one call per prompt: tests/bench/test_workload.py)
+    rng = np.random.default_rng((config.seed + 1, config.prompt_salt))
+    batch = 4096
+    for first in range(0, len(lengths), batch):
+        chunk = lengths[first:first + batch]
+        ids = rng.integers(low, high, size=sum(p for p, _ in chunk)).tolist()
+        start = 0
+        for (prompt_len, output_len), arrival_s in zip(chunk, arrivals_s[first:first + batch]):
+            yield RequestSpec(tuple(ids[start:start + prompt_len]), None, output_len, arrival_s)
+            start += prompt_len

@@ -1,4 +1,7 @@
-from shardserve.engine.block_manager import BlockManager
+import random
+from collections import OrderedDict
+
+from shardserve.engine.block_manager import Block, BlockManager
 from shardserve.request import Request, SamplingParams
 
 
@@ -64,3 +67,62 @@ def test_hash_collision_cannot_alias_different_tokens():
     b = req("b", [5, 6, 7])
     b.block_hashes = list(a.block_hashes)  # forge a colliding hash
     assert bm.find_prefix(b) == []
+
+
+class EagerQueueBlockManager(BlockManager):
+    """The free queue as one OrderedDict of every block id, made up front: the reference the lazy
+    queue (blocks made on first use) must hand blocks out exactly like."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.queue = OrderedDict((i, None) for i in range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.queue)
+
+    def _pop_free(self) -> Block:
+        return self.blocks[self.queue.popitem(last=False)[0]]
+
+    def _take_free(self, block_id: int) -> None:
+        del self.queue[block_id]
+
+    def free_request(self, req) -> None:
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.queue[block_id] = None
+                if block.hash is None:
+                    self.queue.move_to_end(block_id, last=False)
+        req.block_ids = []
+        req.num_published_blocks = 0
+
+
+def test_lazy_free_queue_hands_out_blocks_like_the_eager_one():
+    rng = random.Random(0)
+    lazy, eager = BlockManager(40, 4), EagerQueueBlockManager(40, 4)
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(1, 14))] for _ in range(30)]  # shared prefixes
+    live: dict[str, tuple[Request, Request]] = {}
+    for step in range(600):
+        if live and (rng.random() < 0.45 or lazy.num_free_blocks < 8):
+            rid = rng.choice(sorted(live))
+            for bm, r in zip((lazy, eager), live.pop(rid)):
+                r.num_computed_tokens = r.num_tokens
+                bm.cache_full_blocks(r)
+                bm.free_request(r)
+        else:
+            prompt = rng.choice(prompts)
+            pair = (req(f"{step}", prompt), req(f"{step}", prompt))
+            hits = [bm.find_prefix(r) for bm, r in zip((lazy, eager), pair)]
+            assert hits[0] == hits[1]
+            skipped = len(hits[0]) * 4
+            if not lazy.can_allocate(pair[0], len(prompt) - skipped, hits[0]):
+                continue
+            for bm, r, h in zip((lazy, eager), pair, hits):
+                bm.allocate(r, len(prompt) - skipped, h)
+            assert pair[0].block_ids == pair[1].block_ids
+            live[f"{step}"] = pair
+        assert lazy.num_free_blocks == eager.num_free_blocks and lazy.cached == eager.cached
+    assert len(lazy.blocks) < 40 or eager.num_free_blocks < 40  # the lazy pool grew only as used

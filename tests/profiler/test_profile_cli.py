@@ -1,0 +1,70 @@
+"""`shardserve profile --quick` end to end on a tiny model (a subprocess, as a user runs it), its
+three files, and `shardserve plan --calibration` reading what it wrote."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardserve.cli import main
+from shardserve.planner.efficiency import CALIBRATION_FORMAT, load_calibration
+from shardserve.profiler.report import CSV_COLUMNS
+
+
+@pytest.fixture(scope="module")
+def profiled(tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    cmd = [sys.executable, "-m", "shardserve.cli", "profile", str(tiny_checkpoints["llama"]), "--quick",
+           "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_quick_profile_writes_three_files(profiled):
+    out, stdout = profiled
+    assert {p.name for p in out.iterdir()} == {"profile.csv", "roofline.png", "calibration.json"}
+    assert (out / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "bottleneck prefill: " in stdout and "bottleneck decode: " in stdout
+    assert "calibration fit: step-time MAPE" in stdout
+
+
+def test_csv_has_one_row_per_step_and_the_documented_columns(profiled):
+    out, _ = profiled
+    with open(out / "profile.csv") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == CSV_COLUMNS
+    assert {r["kind"] for r in rows} == {"prefill", "decode", "mixed"}
+    for row in rows:
+        parts = sum(float(row[f"{c}_s"]) for c in ("gemm", "attention", "elementwise", "comm", "sampling", "host"))
+        assert parts == pytest.approx(float(row["total_s"]), rel=1e-6)
+        assert float(row["total_min_s"]) <= float(row["total_s"]) <= float(row["total_max_s"])
+        assert 0 < float(row["mfu"]) <= 1 and 0 < float(row["mbu"]) <= 1
+        assert row["bottleneck"] in ("compute", "memory", "network", "host")
+        assert float(row["predicted_s"]) > 0
+
+
+def test_calibration_file_is_current_and_complete(profiled):
+    out, _ = profiled
+    data = json.loads((out / "calibration.json").read_text())
+    assert data["format"] == CALIBRATION_FORMAT
+    entry = data["devices"]["this host"]
+    assert entry["dtype"] == "float32" and entry["num_samples"] >= 8
+    assert entry["hardware"]["peak_flop_s"]["float32"] > 0
+    calibration = load_calibration(out / "calibration.json")
+    eff = calibration.for_device("this host")
+    assert eff.calibrated and eff.step_time_mape == pytest.approx(entry["step_time_mape"])
+
+
+def test_plan_reads_the_calibration(profiled, tiny_checkpoints, capsys):
+    out, _ = profiled
+    code = main(["plan", "--model", str(tiny_checkpoints["llama"]), "--hardware", "this host", "--dtype", "float32",
+                 "--calibration", str(out / "calibration.json"), "--qps", "1", "--isl", "32", "--osl", "16"])
+    text = capsys.readouterr().out
+    assert code in (0, 1)
+    assert "this host: calibrated (shardserve profile" in text
+    assert "uncalibrated" not in text
