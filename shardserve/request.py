@@ -100,7 +100,7 @@ class Resume:
     num_text_chars: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """The scheduler's record of one request. Token ids grow as tokens are sampled;
     `num_computed_tokens` counts those whose KV is in the cache."""

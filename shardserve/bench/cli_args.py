@@ -202,7 +202,7 @@ def write_outputs(args: argparse.Namespace, results: list[BenchResult]) -> None:
 
 
 def _latency_row(name: str, s: LatencySummary) -> str:
-    return f"  {name:<6}{s.mean_ms:>10.1f}{s.p50_ms:>10.1f}{s.p90_ms:>10.1f}{s.p99_ms:>10.1f}{s.count:>8}"
+    return f"  {name:<6}{s.mean_ms:>10.1f}{s.p50_ms:>10.1f}{s.p90_ms:>10.1f}{s.p99_ms:>10.1f}{s.count:>11}"
 
 
 def _slo_text(slo: SLO) -> str:
@@ -221,7 +221,7 @@ def format_result(result: BenchResult) -> str:
     ]
     if result.slo is not None:
         lines.append(f"goodput       {result.goodput_qps:.2f} req/s meeting {_slo_text(result.slo)}")
-    lines.append(f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'n':>8}")
+    lines.append(f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'n':>11}")
     lines += [_latency_row(n, getattr(result, n.lower())) for n in ("TTFT", "TPOT", "ITL", "E2E")]
     if any(r.ok and not r.tokens_from_usage for r in result.records):
         lines.append("note: the server sent no usage for some requests; their tokens were counted as chunks")

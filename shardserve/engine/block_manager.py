@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from shardserve.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0

@@ -18,10 +18,6 @@ import sys
 import time
 
 DEFAULT_POLICY = "least_outstanding"
-# Measured on this repository's CPU host against `shardserve serve` (docs/planning.md, "Simulator");
-# pass your own for other setups.
-DEFAULT_REQUEST_DELAY_MS = 0.0
-DEFAULT_TOKEN_DELAY_MS = 0.0
 
 
 def add_simulate_parser(subparsers) -> None:
@@ -54,10 +50,15 @@ def add_simulate_parser(subparsers) -> None:
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
     eng.add_argument("--no-prefix-caching", action="store_true")
     eng.add_argument("--max-waiting-requests", type=int, default=256, help="unscheduled requests beyond this get 429")
-    eng.add_argument("--request-delay-ms", type=float, default=DEFAULT_REQUEST_DELAY_MS,
+    srv = p.add_argument_group("serving overheads (benchmarks/sim_accuracy.py measures them against a server)")
+    srv.add_argument("--request-delay-ms", type=float, default=0.0,
                      help="from the client sending a request to the engine holding it")
-    eng.add_argument("--token-delay-ms", type=float, default=DEFAULT_TOKEN_DELAY_MS,
+    srv.add_argument("--token-delay-ms", type=float, default=0.0,
                      help="from the end of the step that sampled a token to the client reading it")
+    srv.add_argument("--decode-step-scale", type=float, default=1.0,
+                     help="a serving replica's decode step time over the profiled engine's (above 1 on a CPU host)")
+    srv.add_argument("--prompt-step-scale", type=float, default=1.0,
+                     help="the same for steps that prefill a prompt")
     add_workload_args(p)
     p.set_defaults(func=run_simulate_command)
 
@@ -69,7 +70,7 @@ def build_sim_config(args: argparse.Namespace):
     from shardserve.router.policies import make_policy
     from shardserve.sim.fleet_setup import engine_num_kv_blocks, resolve_deployment
     from shardserve.sim.replica import ReplicaSetup
-    from shardserve.sim.simulation import ServingDelays, SimConfig
+    from shardserve.sim.simulation import ServingOverheads, SimConfig
 
     for flag, value in (("--replicas", args.replicas), ("--block-size", args.block_size),
                         ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens),
@@ -77,8 +78,8 @@ def build_sim_config(args: argparse.Namespace):
                         ("--max-outstanding-per-replica", args.max_outstanding_per_replica)):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
-    if args.request_delay_ms < 0 or args.token_delay_ms < 0:
-        raise ConfigError("--request-delay-ms and --token-delay-ms must be >= 0")
+    if min(args.request_delay_ms, args.token_delay_ms) < 0 or min(args.decode_step_scale, args.prompt_step_scale) <= 0:
+        raise ConfigError("--request-delay-ms and --token-delay-ms must be >= 0, the step scales > 0")
     make_policy(args.policy)  # an unknown policy fails here, in one line
     model = resolve_model(args.model)
     parallel = ParallelConfig(tp_size=args.tp, pp_size=args.pp, ep_size=args.ep)
@@ -93,9 +94,10 @@ def build_sim_config(args: argparse.Namespace):
     router = None
     if args.replicas > 1 or args.router:
         router = RouterConfig(policy=args.policy, max_outstanding_per_replica=args.max_outstanding_per_replica)
-    delays = ServingDelays(request_s=args.request_delay_ms / 1e3, token_s=args.token_delay_ms / 1e3)
+    overheads = ServingOverheads(request_s=args.request_delay_ms / 1e3, token_s=args.token_delay_ms / 1e3,
+                                 decode_step_scale=args.decode_step_scale, prompt_step_scale=args.prompt_step_scale)
     return SimConfig(deployment=deployment, setup=setup, num_replicas=args.replicas, policy=args.policy,
-                     router=router, delays=delays)
+                     router=router, overheads=overheads)
 
 
 def describe(config) -> str:
@@ -108,7 +110,15 @@ def describe(config) -> str:
             f"{dep.dtype}, {front}; {setup.num_kv_blocks} KV blocks of {setup.block_size} per replica, {cache}, "
             f"max_num_seqs {setup.scheduler.max_num_seqs}, max_num_batched_tokens "
             f"{setup.scheduler.max_num_batched_tokens}\n"
-            f"step times: cost model, {dep.efficiency.label}")
+            f"step times: cost model, {dep.efficiency.label}"
+            + _scales(config.overheads))
+
+
+def _scales(overheads) -> str:
+    if overheads.decode_step_scale == overheads.prompt_step_scale == 1:
+        return ""
+    return (f"; serving scales decode steps x{overheads.decode_step_scale:g}, "
+            f"prompt steps x{overheads.prompt_step_scale:g}")
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ class DecodeGroup:
         self.blocks = scheduler.block_manager
         self.block_size = self.blocks.block_size
         self.token_id = token_id
+        self._token = SampledToken(token_id)
         self.buckets: list[list[SimRequest]] = [[] for _ in range(self.block_size)]
         self.finishes: list[tuple[int, int, SimRequest]] = []  # (finish_step, arrival_seq, req)
         self.size = 0
@@ -123,7 +124,7 @@ class DecodeGroup:
         if self.allocations_in(first_step, num_steps) <= num_free_blocks:
             return num_steps
         bs = self.block_size
-        steps = (num_free_blocks // self.size) * bs if self.size else num_steps
+        steps = min(num_steps, (num_free_blocks // self.size) * bs)  # whole cycles: size blocks each
         taken = self.allocations_in(first_step, steps)
         while steps < num_steps:
             taken += len(self.buckets[(-(first_step + steps)) % bs])
@@ -188,7 +189,7 @@ class DecodeGroup:
         self.scheduler.running.append(req)  # update() takes a finished request out of running
         position = req.num_computed_tokens
         sched = SchedulerOutput(seqs=[ScheduledSeq(req.req_id, position, 1, [], True)])
-        self.scheduler.update(sched, ModelRunnerOutput({req.req_id: SampledToken(self.token_id)}))
+        self.scheduler.update(sched, ModelRunnerOutput({req.req_id: self._token}))
         if not req.is_finished:
             raise RuntimeError(f"decode group: {req.req_id} did not finish at step {step}")
         req.emitted_during(req.group_first_step, step)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from shardserve.request import Request
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SimRequest(Request):
     """`Request` with the simulator's bookkeeping. `decode_delta` and `finish_step` are valid while
     the request sits in its replica's DecodeGroup (see decode_group.py)."""
@@ -22,14 +22,12 @@ class SimRequest(Request):
     start_s: float = 0.0  # when the client sent it
     scheduled_s: float = 0.0  # when the workload wanted it sent
 
-    # Bookkeeping set as the request goes: class-level defaults (not dataclass fields, which every
-    # construction would assign; a simulation constructs a million of these).
-    run_first_step = -1  # the current run of consecutive emitting steps
-    run_last_step = -1
-    earlier_runs = None  # closed runs [(first_step, last_step)], oldest first (rare)
-    decode_delta = 0  # in the decode group: position computed at step s is s + decode_delta
-    finish_step = 0  # in the decode group: the step whose update finishes it
-    group_first_step = 0  # in the decode group: its first step there
+    run_first_step: int = -1  # the current run of consecutive emitting steps
+    run_last_step: int = -1
+    earlier_runs: list | None = None  # closed runs [(first_step, last_step)], oldest first (rare)
+    decode_delta: int = 0  # in the decode group: position computed at step s is s + decode_delta
+    finish_step: int = 0  # in the decode group: the step whose update finishes it
+    group_first_step: int = 0  # in the decode group: its first step there
 
     def emitted_at(self, step: int) -> None:
         """A token came out at the end of `step` (steps of this replica only grow)."""

@@ -5,14 +5,14 @@ One heap of timed events, earliest first (ties in the order below, then first co
     ARRIVE       (levels that cap concurrency) the workload wants request i sent now: sent at once,
                  or queued for a client slot (a closed loop is a cap with every arrival at 0)
     CLIENT_FREE  a request ended at the client: its slot takes the next queued request
-    REACH        request i reaches the router and the server (sent + delays.request_s): routed
+    REACH        request i reaches the router and the server (sent + overheads.request_s): routed
                  with the real policy, submitted to the replica (or answered 429)
-    WAKE         replica r's step or decode run ends: tokens out, finished requests recorded,
-                 arrivals taken in, the next step started (stale when r has moved on since)
+    WAKE         replica r's plan of steps ends (replica.py): tokens out, finished requests
+                 recorded, arrivals taken in, the next plan started (stale if r has replanned)
     SCRAPE       the router reads every replica's load gauges (every probe interval)
 
 A request reaching a replica at the very end of its step joins the next step, as the engine loop
-takes in arrivals between steps. Tokens reach the client `delays.token_s` after their step ends.
+takes in arrivals between steps. Tokens reach the client `overheads.token_s` after their step ends.
 Load levels run one after another on the same fleet (their caches carry over, as on a real server
 that `shardserve bench` runs several levels against); each level's times start at its own zero.
 """
@@ -42,14 +42,26 @@ ARRIVE, CLIENT_FREE, REACH, WAKE, SCRAPE = range(5)
 
 
 @dataclass(frozen=True)
-class ServingDelays:
-    """Time the HTTP path adds outside the engine's steps (see docs/planning.md, "Simulator").
-    request_s: from the client sending a request to the engine loop holding it (HTTP, JSON,
-    validation, the hand-over to the engine thread); token_s: from the end of the step that sampled
-    a token to the client reading its chunk (the output queue, SSE framing, the socket)."""
+class ServingOverheads:
+    """What serving adds to the engine's own steps (docs/planning.md, "Simulator"; each measurable
+    against a real server, as benchmarks/sim_accuracy.py does):
+    request_s           from the client sending a request to the engine loop holding it (HTTP,
+                        JSON, validation, the hand-over to the engine thread)
+    token_s             from the end of the step that sampled a token to the client reading its
+                        chunk (the output queue, SSE framing, the socket)
+    decode_step_scale   a serving replica's decode-only step time over the profiled engine's: 1
+                        where HTTP runs beside an accelerator; above 1 on a CPU host, where the
+                        server's HTTP thread and a local client take cycles from the model
+    prompt_step_scale   the same for steps that prefill (large matrix products suffer less)"""
 
     request_s: float = 0.0
     token_s: float = 0.0
+    decode_step_scale: float = 1.0
+    prompt_step_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.request_s, self.token_s) < 0 or min(self.decode_step_scale, self.prompt_step_scale) <= 0:
+            raise ConfigError("serving delays must be >= 0 and step scales > 0")
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ class SimConfig:
     num_replicas: int = 1
     policy: str = "least_outstanding"
     router: RouterConfig | None = field(default_factory=RouterConfig)
-    delays: ServingDelays = ServingDelays()
+    overheads: ServingOverheads = ServingOverheads()
     records_limit: int = 50_000  # up to this many requests a level summarizes via RequestRecords
 
     def __post_init__(self) -> None:
@@ -78,9 +90,14 @@ class Simulation:
 
     def __init__(self, config: SimConfig):
         self.config = config
-        clock = StepClock(config.deployment, config.setup.max_model_len)  # shared: its cache fills once
+        # one clock for the fleet: its cached forms are built once
+        overheads = config.overheads
+        clock = StepClock(config.deployment, config.setup.max_model_len, overheads.decode_step_scale,
+                          overheads.prompt_step_scale)
         self.replicas = [SimReplica(i, config.setup, clock) for i in range(config.num_replicas)]
         self.router = SimRouter(config.num_replicas, config.policy, config.router) if config.router else None
+        for replica in self.replicas:
+            replica.keep_gauges = self.scrapes
         self.now = 0.0
         self._params: dict[int, SamplingParams] = {}
 
@@ -99,6 +116,11 @@ class Simulation:
                 gc.enable()
         self.now = run.last_event_s
         return run.results.summarize([r.step_end_s for r in self.replicas], slo, self.config.records_limit)
+
+    @property
+    def scrapes(self) -> bool:
+        """Whether the router reads the replicas' load (every policy but round robin uses it)."""
+        return self.router is not None and self.config.policy != "round_robin"
 
     def params_for(self, output_len: int) -> SamplingParams:
         params = self._params.get(output_len)
@@ -134,7 +156,7 @@ class _LevelRun:
         self.sim, self.level = sim, level
         self.config = sim.config
         self.start_s = self.last_event_s = sim.now
-        self.results = LevelResults(level, self.start_s, self.config.delays.token_s)
+        self.results = LevelResults(level, self.start_s, self.config.overheads.token_s)
         self.heap: list[tuple[float, int, int, int, object]] = []
         self.counter = itertools.count()
         self.arrivals = _in_arrival_order(specs)
@@ -149,8 +171,7 @@ class _LevelRun:
 
     def loop(self) -> None:
         self._next_arrival()
-        router = self.sim.router
-        if router is not None and self.config.policy != "round_robin":
+        if self.sim.scrapes:
             self.push(self.start_s, SCRAPE, 0)
         handlers = {ARRIVE: self._arrive, CLIENT_FREE: self._client_free, REACH: self._reach, WAKE: self._wake,
                     SCRAPE: self._scrape}
@@ -171,7 +192,7 @@ class _LevelRun:
             arrival_s = self.start_s + spec.arrival_time_s
             if self.cap is None:  # nothing to wait for: sent on arrival, straight to REACH
                 self.num_in_flight += 1
-                self.push(arrival_s + self.config.delays.request_s, REACH, index, (spec, arrival_s, arrival_s))
+                self.push(arrival_s + self.config.overheads.request_s, REACH, index, (spec, arrival_s, arrival_s))
             else:
                 self.push(arrival_s, ARRIVE, index, spec)
             return
@@ -186,7 +207,7 @@ class _LevelRun:
 
     def _send(self, index: int, spec: RequestSpec, scheduled_s: float, now: float) -> None:
         self.num_in_flight += 1
-        self.push(now + self.config.delays.request_s, REACH, index, (spec, scheduled_s, now))
+        self.push(now + self.config.overheads.request_s, REACH, index, (spec, scheduled_s, now))
 
     def _ended(self, client_end_s: float) -> None:
         if self.cap is not None:
@@ -237,7 +258,7 @@ class _LevelRun:
 
     def _fail(self, now: float, index: int, spec: RequestSpec, scheduled_s: float, sent_s: float,
               status: int, message: str) -> None:
-        end_s = now + self.config.delays.token_s
+        end_s = now + self.config.overheads.token_s
         self.results.add_failed(index, spec.prompt_len, spec.output_len, scheduled_s, sent_s, end_s, status,
                                 f"HTTP {status}: {message}")
         self._ended(end_s)
@@ -248,7 +269,7 @@ class _LevelRun:
             return
         replica.wake(now)
         if replica.finished:
-            router, token_s = self.sim.router, self.config.delays.token_s
+            router, token_s = self.sim.router, self.config.overheads.token_s
             for req in replica.finished:
                 self.results.add_finished(req, i)
                 if router is not None:

@@ -10,7 +10,7 @@ from shardserve.planner.cost_model import Deployment
 from shardserve.planner.hardware import get_hardware
 from shardserve.planner.model_presets import preset
 from shardserve.sim.replica import ReplicaSetup
-from shardserve.sim.simulation import ServingDelays, SimConfig, Simulation
+from shardserve.sim.simulation import ServingOverheads, SimConfig, Simulation
 from shardserve.sim.workload import RequestSpec, poisson_arrivals
 
 
@@ -20,13 +20,13 @@ def deployment() -> Deployment:
 
 def config(num_kv_blocks: int = 4096, *, max_num_batched_tokens: int = 2048, max_num_seqs: int = 128,
            prefix_caching: bool = True, max_model_len: int = 4096, replicas: int = 1, policy: str = "least_outstanding",
-           router: RouterConfig | None = None, fast_path: bool = True, delays: ServingDelays = ServingDelays(),
+           router: RouterConfig | None = None, fast_path: bool = True, overheads: ServingOverheads = ServingOverheads(),
            max_waiting_requests: int = 256, records_limit: int = 50_000) -> SimConfig:
     setup = ReplicaSetup(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
                          num_kv_blocks, 16, prefix_caching, max_model_len, max_waiting_requests, fast_path=fast_path)
     if router is None and replicas > 1:
         router = RouterConfig()
-    return SimConfig(deployment(), setup, replicas, policy, router, delays, records_limit)
+    return SimConfig(deployment(), setup, replicas, policy, router, overheads, records_limit)
 
 
 def shared_prefix_specs(num: int, rate_qps: float, seed: int = 0, num_prefixes: int = 4,

@@ -9,7 +9,7 @@ import pytest
 
 from shardserve.bench.stats import LoadLevel
 from shardserve.config import RouterConfig
-from shardserve.sim.simulation import ServingDelays, Simulation
+from shardserve.sim.simulation import ServingOverheads, Simulation
 from tests.sim.sim_helpers import config, shared_prefix_specs
 
 SCENARIOS = {
@@ -19,7 +19,7 @@ SCENARIOS = {
     "few_seqs": (dict(max_num_seqs=3, max_num_batched_tokens=256), 100, 30.0, None),
     "context_window": (dict(max_model_len=320), 120, 25.0, None),
     "no_prefix_caching": (dict(prefix_caching=False, num_kv_blocks=120, max_model_len=1024), 120, 50.0, None),
-    "closed_loop": (dict(num_kv_blocks=200, max_model_len=1024, delays=ServingDelays(0.002, 0.001)), 120, None, 12),
+    "closed_loop": (dict(num_kv_blocks=200, max_model_len=1024, overheads=ServingOverheads(0.002, 0.001)), 120, None, 12),
     "fleet": (dict(replicas=3, policy="power_of_two", num_kv_blocks=150, max_model_len=1024), 200, 90.0, None),
     "fleet_least_outstanding": (dict(replicas=4, num_kv_blocks=300, max_model_len=1024,
                                      router=RouterConfig(max_outstanding_per_replica=6)), 200, 120.0, None),
@@ -80,3 +80,20 @@ def test_decode_runs_take_most_steps_at_once():
     sim.run_level(LoadLevel(None, 10.0), shared_prefix_specs(100, 10.0, max_prompt_len=300, max_output_len=400))
     kinds = sim.replicas[0].num_steps_by_kind
     assert kinds["run"] > 4 * (kinds["mixed"] + kinds["plain"])
+
+
+def test_decode_runs_stop_where_the_free_blocks_run_out():
+    """The group's count of the blocks a run of steps takes, against stepping's own count."""
+    from shardserve.config import SchedulerConfig
+    from shardserve.engine.block_manager import BlockManager
+    from shardserve.engine.scheduler import Scheduler
+    from shardserve.sim.decode_group import DecodeGroup
+
+    group = DecodeGroup(Scheduler(SchedulerConfig(), BlockManager(64, 16), 1024), 0)
+    group.size = 5  # members in three buckets (only counted here, never replayed)
+    group.buckets[0], group.buckets[3], group.buckets[15] = [None, None], [None], [None, None]
+    steps_taking = [len(group.buckets[-s % 16]) for s in range(100, 200)]  # blocks stepping takes per step
+    for free in (0, 1, 2, 3, 4, 5, 7, 11, 23, 40):
+        steps = group.max_steps_within(100, 100, free)
+        assert sum(steps_taking[:steps]) <= free
+        assert steps == 100 or sum(steps_taking[:steps + 1]) > free

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shardserve.bench.stats import LoadLevel, parse_slo, summarize_ms
-from shardserve.sim.simulation import ServingDelays, Simulation
+from shardserve.sim.simulation import ServingOverheads, Simulation
 from shardserve.sim.sim_results import weighted_summary_ms
 from tests.sim.sim_helpers import config, shared_prefix_specs
 
@@ -22,7 +22,7 @@ def close(a, b) -> bool:
 
 @pytest.mark.parametrize("kwargs", [
     dict(num_kv_blocks=80, max_model_len=1024),  # preemptions: requests with several runs of tokens
-    dict(replicas=3, max_model_len=300, max_waiting_requests=4, delays=ServingDelays(0.001, 0.0005)),  # errors
+    dict(replicas=3, max_model_len=300, max_waiting_requests=4, overheads=ServingOverheads(0.001, 0.0005)),  # errors
 ])
 def test_direct_summary_equals_summarize_run_on_records(kwargs):
     slo = parse_slo("ttft_ms=300,tpot_ms=40")

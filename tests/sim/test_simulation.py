@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from shardserve.bench.stats import LoadLevel
-from shardserve.sim.simulation import ServingDelays
+from shardserve.sim.simulation import ServingOverheads
 from shardserve.sim.workload import RequestSpec
 from tests.sim.sim_helpers import config, constant_step_simulation
 
@@ -21,8 +21,8 @@ def chunk_times(result, index: int) -> list[float]:
 
 
 def test_one_request_ttft_tpot_by_hand():
-    delays = ServingDelays(request_s=0.003, token_s=0.002)
-    sim = constant_step_simulation(config(delays=delays), STEP_S)
+    delays = ServingOverheads(request_s=0.003, token_s=0.002)
+    sim = constant_step_simulation(config(overheads=delays), STEP_S)
     result = sim.run_level(LoadLevel(None, 1.0), [spec(100, 5)])
     # reaches the idle engine at 3 ms; the prefill step ends at 13 ms with the first token, then a
     # token every 10 ms; each reaches the client 2 ms after its step
@@ -56,8 +56,8 @@ def test_long_prompt_is_prefilled_in_budget_sized_chunks():
 
 
 def test_closed_loop_sends_the_next_request_when_one_ends():
-    delays = ServingDelays(request_s=0.001, token_s=0.001)
-    sim = constant_step_simulation(config(delays=delays), STEP_S)
+    delays = ServingOverheads(request_s=0.001, token_s=0.001)
+    sim = constant_step_simulation(config(overheads=delays), STEP_S)
     result = sim.run_level(LoadLevel(concurrency=1), [spec(10, 2), spec(10, 2), spec(10, 2)])
     # each: sent, +1 ms to the engine, two 10 ms steps, +1 ms to the client = 22 ms, back to back
     starts = sorted(r.start_s for r in result.records)

@@ -1,0 +1,255 @@
+"""Simulator accuracy: one trace through a real server and through `shardserve simulate`.
+
+1. Calibrate: `shardserve profile smollm2 --dtype bfloat16 --quick` fits the cost model's factors on
+   the engine's own steps (skipped with --calibration FILE).
+2. Measure: a real `shardserve serve smollm2 --dtype bfloat16` (the engine's defaults; a fixed KV
+   cache size, given to the simulator too) gets one trace at two load levels through bench's client:
+   Poisson arrivals, mixed lengths (prompts 192 tokens +-50%, outputs 48 +-50%), the same requests
+   `shardserve bench --dataset random --input-len 192 --output-len 48 --range-ratio 0.5
+   --request-rate LOW,HIGH` would send. The rates are fractions of the capacity the calibrated
+   simulator predicts (override with --rates). Before the trace, a probe of sequential tiny
+   requests measures the HTTP path: the client's TTFT minus the server's own (its Prometheus
+   histogram) is the time a request spends outside the engine, split evenly between the way in and
+   the first token's way out (the simulator's ServingOverheads).
+3. Simulate the same requests with the calibrated cost model and those delays.
+4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
+   |simulated - measured| / measured.
+
+Run
+    .venv/bin/python benchmarks/sim_accuracy.py [--calibration FILE] [--num-requests N] [--rates R1,R2]
+    About four minutes on this host. Prints both reports and a comparison table; the last line is
+    `RESULT {"median_error": .., "max_error": .., <level>_<metric>_error: ..}` (also
+    benchmarks/results/sim_accuracy.json). Target: max_error <= 0.15, median_error <= 0.10. Run it
+    alone: the server, the client and the profiler share this host's two cores, and the simulator
+    is calibrated for a quiet host.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+RESULTS = Path(__file__).parent / "results"
+KV_CACHE_BYTES = 1 << 30
+WORKLOAD = dict(dataset="random", input_len=192, output_len=48, range_ratio=0.5)
+METRICS = ("output_tok_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+
+
+def calibrate(out_dir: Path) -> Path:
+    cmd = [sys.executable, "-m", "shardserve.cli", "profile", "smollm2", "--dtype", "bfloat16", "--quick",
+           "--out", str(out_dir), "--no-progress"]
+    print("calibrating: " + " ".join(cmd[2:]), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"shardserve profile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("calibration")), flush=True)
+    return out_dir / "calibration.json"
+
+
+def sim_config(calibration: Path, request_s: float, token_s: float, scales: tuple[float, float] = (1.0, 1.0)):
+    from shardserve.config import ParallelConfig, SchedulerConfig
+    from shardserve.planner.model_presets import resolve_model
+    from shardserve.sim.fleet_setup import engine_num_kv_blocks, resolve_deployment
+    from shardserve.sim.replica import ReplicaSetup
+    from shardserve.sim.simulation import ServingOverheads, SimConfig
+
+    model = resolve_model("smollm2")
+    deployment = resolve_deployment(model, "this-host", "bfloat16", ParallelConfig(), str(calibration))
+    max_model_len = model.max_position_embeddings
+    num_blocks = engine_num_kv_blocks(deployment, 16, max_model_len, KV_CACHE_BYTES)
+    setup = ReplicaSetup(SchedulerConfig(), num_blocks, 16, True, max_model_len)  # `shardserve serve` defaults
+    return SimConfig(deployment, setup, 1, router=None, overheads=ServingOverheads(request_s, token_s, *scales))
+
+
+def workload(rate_qps: float, level_index: int, num_requests: int):
+    from shardserve.sim.workload import WorkloadConfig, build_workload
+
+    # bench gives each level its own prompt salt, so no level hits the prefix cache another filled
+    return build_workload(WorkloadConfig(num_requests=num_requests, request_rate_qps=rate_qps,
+                                         prompt_salt=level_index, seed=1, **WORKLOAD))
+
+
+def predicted_capacity_qps(config, num_requests: int) -> float:
+    """Requests/s the simulated server serves when every request arrives at once."""
+    from shardserve.bench.stats import LoadLevel
+    from shardserve.sim.simulation import simulate
+
+    specs = [s.__class__(s.prompt_token_ids, None, s.output_len, 0.0) for s in workload(1.0, 9, num_requests)]
+    result, = simulate(config, [(LoadLevel(None, float("inf")), specs)])
+    return result.request_throughput_qps
+
+
+def scrape_ttft(base_url: str) -> tuple[float, float]:
+    """(sum, count) of the server's engine-side TTFT histogram."""
+    values = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=5).text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(f"vllm:time_to_first_token_seconds{suffix}"):
+                values[suffix] = values.get(suffix, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values.get("_sum", 0.0), values.get("_count", 0.0)
+
+
+def probe_http_delay_s(base_url: str, num: int = 24) -> float:
+    """Mean client TTFT minus the server's TTFT, over sequential tiny requests."""
+    from shardserve.bench.client import run_benchmark
+    from shardserve.sim.workload import RequestSpec
+
+    specs = [RequestSpec(tuple(range(1000 + i, 1008 + i)), None, 2, 0.0) for i in range(num)]
+    asyncio.run(run_benchmark(base_url, specs[:4], 1, show_progress=False))  # warm-up
+    before = scrape_ttft(base_url)
+    result = asyncio.run(run_benchmark(base_url, specs, 1, show_progress=False))
+    after = scrape_ttft(base_url)
+    server_ttft_s = (after[0] - before[0]) / max(after[1] - before[1], 1)
+    return max(0.0, result.ttft.mean_ms / 1e3 - server_ttft_s)
+
+
+STEP_PROBES = ((2, 128), (4, 192), (8, 96), (8, 288))  # (decodes in flight, prompt that joins them)
+
+
+def server_steps(records, prompt_lens: dict[int, int]) -> list[tuple[float, int, int, list[tuple[int, int]]]]:
+    """The server's steps, read off the client's chunk times: a step's tokens leave together, so
+    chunk times cluster by step. Per step after the first: (duration, decodes, their context sum,
+    prompt chunks): a request's first chunk marks its prompt's step, the others its decodes."""
+    chunks = sorted((t, r.index, k) for r in records for k, t in enumerate(r.chunk_times_s))
+    clusters: list[list[tuple[float, int, int]]] = []
+    for chunk in chunks:
+        if clusters and chunk[0] - clusters[-1][-1][0] < 0.003:
+            clusters[-1].append(chunk)
+        else:
+            clusters.append([chunk])
+    steps = []
+    for previous, cluster in zip(clusters, clusters[1:]):
+        decodes = [(index, k) for _, index, k in cluster if k > 0]
+        prompts = [(prompt_lens[index], prompt_lens[index]) for _, index, k in cluster if k == 0]
+        context_sum = sum(prompt_lens[index] + k for index, k in decodes)
+        steps.append((cluster[0][0] - previous[0][0], len(decodes), context_sum, prompts))
+    return steps
+
+
+def probe_step_scales(base_url: str, calibration: Path) -> tuple[float, float]:
+    """How much longer the server's steps take than the calibrated cost model says: (decode-only
+    steps, steps with a prompt), each the ratio of the sums of measured and modelled step times.
+    Each probe streams `decodes` requests (32-token prompts) and meanwhile sends three prompts of
+    `prompt` tokens; every step the client can see (server_steps) counts."""
+    from shardserve.bench.client import run_benchmark
+    from shardserve.bench.stats import LoadLevel
+    from shardserve.sim.step_clock import StepClock
+    from shardserve.sim.workload import RequestSpec
+
+    config = sim_config(calibration, 0.0, 0.0)
+    clock = StepClock(config.deployment, config.setup.max_model_len)
+    rng = np.random.default_rng(7)
+    sums = {"decode": [0.0, 0.0], "prompt": [0.0, 0.0]}  # [measured, model]
+    for num_decodes, prompt_len in STEP_PROBES:
+        specs = [RequestSpec(tuple(rng.integers(100, 40000, size=32).tolist()), None, 150, 0.0)
+                 for _ in range(num_decodes)]
+        specs += [RequestSpec(tuple(rng.integers(100, 40000, size=prompt_len).tolist()), None, 1, 0.4 * k)
+                  for k in (1, 2, 3)]
+        result = asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, None), show_progress=False))
+        prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
+        for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
+            kind = sums["prompt" if prompts else "decode"]
+            kind[0] += duration_s
+            kind[1] += clock.step_s(decodes, context_sum, prompts)
+    return sums["decode"][0] / sums["decode"][1], sums["prompt"][0] / sums["prompt"][1]
+
+
+def metrics_of(result) -> dict[str, float]:
+    return {"output_tok_s": result.output_throughput_tok_s, "ttft_p50": result.ttft.p50_ms,
+            "ttft_p90": result.ttft.p90_ms, "tpot_p50": result.tpot.p50_ms, "tpot_p90": result.tpot.p90_ms}
+
+
+def measure(calibration: Path, rates: list[float] | None, num_requests: int):
+    """Probe the server's HTTP path and step times, then run the two levels: (results, rates,
+    HTTP delay, step scale). Without `rates`, 0.35 and 0.7 of the capacity the probed simulator
+    predicts."""
+    from shardserve.bench.client import run_benchmark
+    from shardserve.bench.stats import LoadLevel
+    from shardserve.server.process import free_port, server_process
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
+           "--kv-cache-memory", str(KV_CACHE_BYTES), "--log-level", "warning"]
+    with server_process(cmd, port) as (base_url, _):
+        http_delay_s = probe_http_delay_s(base_url)
+        print(f"HTTP path outside the engine: {http_delay_s * 1e3:.2f} ms per request (client TTFT - server TTFT)",
+              flush=True)
+        scales = probe_step_scales(base_url, calibration)
+        print(f"serving steps / calibrated cost model: decode-only steps x{scales[0]:.3f}, "
+              f"steps with a prompt x{scales[1]:.3f}", flush=True)
+        if rates is None:
+            capacity = predicted_capacity_qps(sim_config(calibration, 0.0, 0.0, scales), num_requests)
+            rates = [round(0.35 * capacity, 2), round(0.7 * capacity, 2)]
+            print(f"predicted capacity {capacity:.2f} req/s: levels {rates[0]} and {rates[1]} req/s", flush=True)
+        results = []
+        for i, rate in enumerate(rates):
+            specs = workload(rate, i, num_requests)
+            results.append(asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, rate),
+                                                     show_progress=False)))
+    return results, rates, http_delay_s, scales
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration", default=None, help="skip profiling: use this calibration.json")
+    parser.add_argument("--num-requests", type=int, default=120, help="per load level")
+    parser.add_argument("--rates", default=None, help="the two levels in req/s (default: 0.35 and 0.7 of the "
+                                                      "capacity the calibrated simulator predicts)")
+    args = parser.parse_args()
+
+    from shardserve.bench.cli_args import format_result
+    from shardserve.bench.stats import LoadLevel
+    from shardserve.sim.simulation import simulate
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        calibration = Path(args.calibration) if args.calibration else calibrate(Path(tmp) / "profile")
+        saved = RESULTS / "sim_accuracy_calibration.json"
+        RESULTS.mkdir(exist_ok=True)
+        saved.write_text(calibration.read_text())
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+    names = ["low", "high"]
+
+    measured, rates, http_delay_s, scales = measure(saved, rates, args.num_requests)
+    config = sim_config(saved, http_delay_s / 2, http_delay_s / 2, scales)
+    plans = [(LoadLevel(None, rate), workload(rate, i, args.num_requests)) for i, rate in enumerate(rates)]
+    simulated = simulate(config, plans)
+
+    print("\n--- measured (shardserve serve + bench client) ---")
+    print("\n".join(format_result(r) for r in measured))
+    print("\n--- simulated (shardserve simulate) ---")
+    print("\n".join(format_result(r) for r in simulated))
+    errors: dict[str, float] = {}
+    print(f"\n{'level':<6}{'metric':<14}{'measured':>12}{'simulated':>12}{'rel. error':>12}")
+    for name, rate, real, sim in zip(names, rates, measured, simulated):
+        real_m, sim_m = metrics_of(real), metrics_of(sim)
+        for metric in METRICS:
+            error = abs(sim_m[metric] - real_m[metric]) / real_m[metric]
+            errors[f"{name}_{metric}_error"] = round(error, 4)
+            print(f"{name:<6}{metric:<14}{real_m[metric]:>12.2f}{sim_m[metric]:>12.2f}{error:>12.1%}")
+    values = list(errors.values())
+    summary = {"median_error": round(float(np.median(values)), 4), "max_error": round(max(values), 4), **errors,
+               "rates_qps": rates, "num_requests_per_level": args.num_requests,
+               "http_delay_ms": round(http_delay_s * 1e3, 3), "decode_step_scale": round(scales[0], 4),
+               "prompt_step_scale": round(scales[1], 4),
+               "calibration_mape": _calibration_mape(saved),
+               "target": {"max_error": 0.15, "median_error": 0.10}, "wall_s": round(time.perf_counter() - start, 1)}
+    (RESULTS / "sim_accuracy.json").write_text(json.dumps(summary, indent=1))
+    print("RESULT " + json.dumps(summary))
+
+
+def _calibration_mape(path: Path) -> float | None:
+    devices = json.loads(path.read_text()).get("devices", {})
+    return next((d.get("step_time_mape") for d in devices.values()), None)
+
+
+if __name__ == "__main__":
+    main()
