@@ -68,7 +68,7 @@ class StepRecord:
     duration_s: float  # wall time of LLMEngine.step()
 
 
-# --- driver -> workers, over torch.distributed (see engine/executor.py) ----------------------------
+# --- driver -> workers, broadcast over the control group (see engine/executor.py) ------------------
 @dataclass
 class Heartbeat:
     """Sent when the driver has nothing to run, so a silent driver means a dead one."""

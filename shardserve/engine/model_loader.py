@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from shardserve.config import ConfigError, EngineConfig, ModelConfig
 from shardserve.engine.kv_cache import KVCache, KVShape, kv_budget_bytes
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.models.registry import model_class
 from shardserve.models.tokenizer import Tokenizer, load_tokenizer
+from shardserve.parallel.comm import agree_on_min
 from shardserve.parallel.groups import ParallelGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,9 +66,7 @@ def _allocate_kv_cache(config: EngineConfig, shape: KVShape, max_model_len: int,
     block_bytes = shape.block_bytes(block_size, dtype)
     num_blocks = kv_budget_bytes(config.cache, device) // block_bytes
     if groups.world_size > 1:  # the scheduler hands out block ids valid on every rank
-        agreed = torch.tensor([num_blocks])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=groups.control)
-        num_blocks = int(agreed)
+        num_blocks = agree_on_min(num_blocks, groups.control)
     if num_blocks * block_size < max_model_len:
         need = -(-max_model_len // block_size) * block_bytes
         raise ConfigError(

@@ -47,3 +47,10 @@ def all_to_all(data: torch.Tensor, recv_splits: list[int], send_splits: list[int
     with group.stats.timed():
         dist.all_to_all_single(out, data.contiguous(), recv_splits, send_splits, group=group.group)
     return out
+
+
+def agree_on_min(value: int, group) -> int:
+    """The smallest of every rank's `value` (all ranks call this), over a gloo group."""
+    box = torch.tensor([value])
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
+    return int(box)

@@ -227,14 +227,17 @@ def build_workload(config: WorkloadConfig) -> list[RequestSpec]:
     return [dataclasses.replace(s, arrival_time_s=t) for s, t in zip(specs, arrivals_s)]
 
 
-def _synthetic_specs(config: WorkloadConfig) -> list[RequestSpec]:
+def _synthetic_lengths(config: WorkloadConfig) -> list[tuple[int, int]]:
+    """(prompt length, output length) of each synthetic request."""
     if config.dataset == "random":
-        lengths = random_lengths(config.num_requests, config.input_len, config.output_len,
-                                 config.range_ratio, config.seed)
-    elif config.dataset == "sharegpt":
-        lengths = sharegpt_like_lengths(config.num_requests, config.seed)
-    else:
-        raise ValueError(f"unknown dataset {config.dataset!r}; expected random, sharegpt or jsonl:PATH")
+        return random_lengths(config.num_requests, config.input_len, config.output_len, config.range_ratio, config.seed)
+    if config.dataset == "sharegpt":
+        return sharegpt_like_lengths(config.num_requests, config.seed)
+    raise ValueError(f"unknown dataset {config.dataset!r}; expected random, sharegpt or jsonl:PATH")
+
+
+def _synthetic_specs(config: WorkloadConfig) -> list[RequestSpec]:
+    lengths = _synthetic_lengths(config)
     prompts = synthesize_prompt_ids([p for p, _ in lengths], (config.seed + 1, config.prompt_salt), config.vocab_range)
     return [RequestSpec(ids, None, out_len, 0.0) for ids, (_, out_len) in zip(prompts, lengths)]
 
@@ -252,13 +255,7 @@ def iter_workload(config: WorkloadConfig) -> Iterator[RequestSpec]:
     if config.dataset.startswith("jsonl:"):
         yield from build_workload(config)
         return
-    if config.dataset == "random":
-        lengths = random_lengths(config.num_requests, config.input_len, config.output_len,
-                                 config.range_ratio, config.seed)
-    elif config.dataset == "sharegpt":
-        lengths = sharegpt_like_lengths(config.num_requests, config.seed)
-    else:
-        raise ValueError(f"unknown dataset {config.dataset!r}; expected random, sharegpt or jsonl:PATH")
+    lengths = _synthetic_lengths(config)
     if config.request_rate_qps is None:
         arrivals_s = [0.0] * len(lengths)
     else:
