@@ -177,11 +177,17 @@ def run_bench_command(args: argparse.Namespace) -> int:
             show_progress=not args.no_progress, extra_body=extra_body))
         print(format_result(result), flush=True)
         results.append(result)
+    return finish_report(args, results, "bench")
+
+
+def finish_report(args: argparse.Namespace, results: list[BenchResult], command: str) -> int:
+    """The summary over load levels, the output files, and the exit code (1: nothing succeeded);
+    shared with `shardserve simulate`, so both reports end alike."""
     if len(results) > 1:
         print(format_summary(results))
     write_outputs(args, results)
     if not any(r.num_ok for r in results):
-        print("shardserve bench: no request succeeded", file=sys.stderr)
+        print(f"shardserve {command}: no request succeeded", file=sys.stderr)
         return 1
     return 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 
 DEFAULT_POLICY = "least_outstanding"
@@ -124,7 +123,7 @@ def _scales(overheads) -> str:
 def run_simulate_command(args: argparse.Namespace) -> int:
     """Simulate every load level, print bench's tables, write JSON / plots. Returns 0, or 1 if no
     request succeeded at any level; ConfigError (one line) on bad flags."""
-    from shardserve.bench.cli_args import check_workload_args, format_result, format_summary, level_configs, write_outputs
+    from shardserve.bench.cli_args import check_workload_args, finish_report, format_result, level_configs
     from shardserve.bench.stats import parse_slo
     from shardserve.config import ConfigError
     from shardserve.sim.simulation import Simulation
@@ -154,10 +153,4 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         print(format_result(result))
         print(f"(simulated in {time.perf_counter() - start:.2f} s)", flush=True)
         results.append(result)
-    if len(results) > 1:
-        print(format_summary(results))
-    write_outputs(args, results)
-    if not any(r.num_ok for r in results):
-        print("shardserve simulate: no request succeeded", file=sys.stderr)
-        return 1
-    return 0
+    return finish_report(args, results, "simulate")
