@@ -1,9 +1,10 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-A draw is a pure function of (seed, position, logits): we pick `argmax(probs / E)` with
-`E ~ Exponential(1)` drawn from a generator seeded by (seed, position). That is an exact sample
-from `probs` (the exponential-race form of the Gumbel-max trick) and does not depend on which
-other requests share the batch, how many steps came before, or on which replica it runs.
+A draw is a pure function of (seed, position, logits): one uniform number `u` is hashed from
+(seed, position) and the token is where `u` falls on the row's cumulative distribution (inverse
+transform sampling, exact). It does not depend on which other requests share the batch, how many
+steps came before, or on which replica it runs. One number per row, not a noise vector over the
+vocabulary: a whole batch's draws are one cumsum and one searchsorted.
 """
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def draw_seed(seed: int, position: int) -> int:
     return ((seed * _MIX) ^ (position * 0xBF58476D1CE4E5B9) ^ position) % (2**63 - 1)
 
 
+def draw_uniform(seed: int, position: int) -> float:
+    """u in [0, 1) from the top 53 bits of a 64-bit mix of (seed, position) (splitmix64's finalizer)."""
+    x = draw_seed(seed, position)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return ((x ^ (x >> 31)) >> 11) / 2.0**53
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledToken]:
     """logits: [N, vocab] float32, row i for states[i]; each state's next token goes at
     position len(state.token_ids). Returns one SampledToken per row."""
@@ -50,10 +59,13 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledTok
     if random_rows:
         index = torch.tensor(random_rows)
         probs = _probabilities(logits[index], [states[i].params for i in random_rows])
-        for j, row in enumerate(random_rows):
-            gen = torch.Generator().manual_seed(draw_seed(states[row].seed, len(states[row].token_ids)))
-            noise = torch.empty_like(probs[j]).exponential_(generator=gen)
-            token_ids[row] = (probs[j] / noise).argmax()
+        cdf = probs.double().cumsum(dim=-1)  # float64: 49k float32 partial sums would drift
+        u = torch.tensor([draw_uniform(states[i].seed, len(states[i].token_ids)) for i in random_rows],
+                         dtype=torch.float64).unsqueeze(1)
+        # the first token whose cumulative mass exceeds u * total; a zero-probability token never
+        # is one (the cdf does not rise there)
+        drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
+        token_ids[index] = drawn.squeeze(1)
     tokens = [SampledToken(int(t)) for t in token_ids.tolist()]
     logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if logprob_rows:

@@ -1,8 +1,15 @@
 // Paged decode attention on CPU: one query token per sequence, keys and values read straight
 // from the block pool (no gather copy). Work items are (sequence, kv head) pairs, spread over
-// OpenMP threads; the G query heads that share a kv head are handled together: each cached block
-// of keys (then values) is widened to float32 once into a small tile and used by all G heads.
-// Accumulation is in float32 whatever the cache dtype.
+// OpenMP threads; the G query heads that share a kv head are handled together, so each cached
+// key and value row is read from memory once for all G heads. Accumulation is in float32 whatever
+// the cache dtype.
+//
+// At decode batch sizes the cache reads dominate and come from DRAM (a step touches every
+// sequence's whole context, far more than the caches hold), at scattered 2 KB blocks. With
+// AVX-512 and head_dim a multiple of 16 the kernel therefore prefetches the next block (and the
+// first value blocks while the softmax runs) and keeps the arithmetic in vector registers:
+// widening bf16 is a shift, exp is a vector polynomial. Otherwise a portable loop does the same
+// math.
 //
 //   q            [B, H, D]                 (float32 or bfloat16, contiguous)
 //   k/v cache    [KV, num_blocks, bs, D]   (same dtype, contiguous)
@@ -13,6 +20,9 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -25,7 +35,7 @@ inline float to_float(c10::BFloat16 x) {
 }
 
 template <typename T>
-void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
+void attend_one_portable(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
                 int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
                 float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
                 std::vector<float>& tile) {
@@ -74,6 +84,130 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
     }
   }
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> f32 is the bits shifted into the high half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// e^x for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
+// series to degree 7 (relative error < 1e-8, below float32 rounding), times 2^n exactly.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // e^-87 is already below float32's normal range
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void prefetch_block(const void* block, int64_t num_bytes) {
+  const char* p = static_cast<const char*>(block);
+  for (int64_t i = 0; i < num_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// The same computation as attend_one_portable, for head_dim % 16 == 0.
+template <typename T>
+void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
+                       int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
+                       float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
+                       std::vector<float>& /*tile*/) {
+  const int64_t chunks = head_dim / 16, block_elems = block_size * head_dim;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T)), n_blocks = (context_len + block_size - 1) / block_size;
+  const T* k_base = k_cache + kv_head * num_blocks * block_elems;
+  const T* v_base = v_cache + kv_head * num_blocks * block_elems;
+  for (int64_t i = 0; i < group * head_dim; i += 16)
+    _mm512_storeu_ps(&qf[i], _mm512_mul_ps(load16(q + i), _mm512_set1_ps(scale)));
+  const int64_t padded = n_blocks * block_size;  // scores rows padded to whole blocks
+  scores.resize(group * padded);
+  prefetch_block(k_base + table[0] * block_elems, block_bytes);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    if (b + 1 < n_blocks) prefetch_block(k_base + table[b + 1] * block_elems, block_bytes);
+    else prefetch_block(v_base + table[0] * block_elems, block_bytes);  // the value pass starts next
+    const T* keys = k_base + table[b] * block_elems;
+    const int64_t n = std::min(block_size, context_len - b * block_size);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* kt = keys + t * head_dim;
+      for (int64_t g = 0; g < group; ++g) {  // the key row is re-read (from L1) for each head
+        const float* qg = &qf[g * head_dim];
+        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(kt));
+        for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), load16(kt + 16 * c), dot);
+        scores[g * padded + b * block_size + t] = _mm512_reduce_add_ps(dot);
+      }
+    }
+  }
+  std::vector<float> inv_sums(group);
+  for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place; the 1/sum is applied at the end
+    float* s = &scores[g * padded];
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= context_len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    float max_score = _mm512_reduce_max_ps(vmax);
+    for (; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    const __m512 vm = _mm512_set1_ps(max_score);
+    __m512 vsum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= context_len; t += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+      _mm512_storeu_ps(s + t, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (t < context_len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (context_len - t)) - 1);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), vm));
+      _mm512_mask_storeu_ps(s + t, tail, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+    }
+    inv_sums[g] = 1.f / _mm512_reduce_add_ps(vsum);
+  }
+  acc.assign(group * head_dim, 0.f);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    if (b + 1 < n_blocks) prefetch_block(v_base + table[b + 1] * block_elems, block_bytes);
+    const T* values = v_base + table[b] * block_elems;
+    const int64_t n = std::min(block_size, context_len - b * block_size);
+    for (int64_t c = 0; c < chunks; ++c) {  // one 16-wide slice of D at a time: G accumulators
+      __m512 a[8];
+      for (int64_t g0 = 0; g0 < group; g0 += 8) {
+        const int64_t gn = std::min<int64_t>(8, group - g0);
+        for (int64_t g = 0; g < gn; ++g) a[g] = _mm512_loadu_ps(&acc[(g0 + g) * head_dim + 16 * c]);
+        for (int64_t t = 0; t < n; ++t) {
+          const __m512 v = load16(values + t * head_dim + 16 * c);
+          for (int64_t g = 0; g < gn; ++g)
+            a[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * padded + b * block_size + t]), v, a[g]);
+        }
+        for (int64_t g = 0; g < gn; ++g) _mm512_storeu_ps(&acc[(g0 + g) * head_dim + 16 * c], a[g]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv_sums[g]);
+}
+#endif
+
+template <typename T>
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
+                int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
+                float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
+                std::vector<float>& tile) {
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {
+    attend_one_avx512<T>(q, k_cache, v_cache, table, context_len, kv_head, num_blocks, block_size, group, head_dim,
+                         scale, out, scores, acc, qf, tile);
+    return;
+  }
+#endif
+  attend_one_portable<T>(q, k_cache, v_cache, table, context_len, kv_head, num_blocks, block_size, group, head_dim,
+                         scale, out, scores, acc, qf, tile);
 }
 
 template <typename T>
