@@ -6,11 +6,16 @@
    cache size, given to the simulator too) gets one trace at two load levels through bench's client:
    Poisson arrivals, mixed lengths (prompts 192 tokens +-50%, outputs 48 +-50%), the same requests
    `shardserve bench --dataset random --input-len 192 --output-len 48 --range-ratio 0.5
-   --request-rate LOW,HIGH` would send. The rates are fractions of the capacity the calibrated
-   simulator predicts (override with --rates). Before the trace, a probe of sequential tiny
+   --request-rate LOW,HIGH` would send, at 0.35 and 0.7 of the server's capacity (a burst of 60
+   other requests of the same lengths, all sent at once: the rate it is served at; the simulator
+   predicts it too, and its error is reported; --rates overrides). Before the trace, a probe of sequential tiny
    requests measures the HTTP path: the client's TTFT minus the server's own (its Prometheus
    histogram) is the time a request spends outside the engine, split evenly between the way in and
-   the first token's way out (the simulator's ServingOverheads).
+   the first token's way out. Then step probes (4 to 24 long streams, short requests joining them)
+   read the server's step times off the client's chunk times and fit them against the calibrated
+   cost model: a scale for decode-only steps, one for steps with a prompt, and a cost per sequence
+   in a step (streaming its token shares the cores with the engine). These are the simulator's
+   ServingOverheads; none of them is fitted to the trace.
 3. Simulate the same requests with the calibrated cost model and those delays.
 4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
    |simulated - measured| / measured.
@@ -40,6 +45,7 @@ import numpy as np
 RESULTS = Path(__file__).parent / "results"
 KV_CACHE_BYTES = 1 << 30
 WORKLOAD = dict(dataset="random", input_len=192, output_len=48, range_ratio=0.5)
+CAPACITY_REQUESTS = 60
 METRICS = ("output_tok_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 
 
@@ -54,7 +60,7 @@ def calibrate(out_dir: Path) -> Path:
     return out_dir / "calibration.json"
 
 
-def sim_config(calibration: Path, request_s: float, token_s: float, scales: tuple[float, float] = (1.0, 1.0)):
+def sim_config(calibration: Path, request_s: float, token_s: float, costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
     from shardserve.config import ParallelConfig, SchedulerConfig
     from shardserve.planner.model_presets import resolve_model
     from shardserve.sim.fleet_setup import engine_num_kv_blocks, resolve_deployment
@@ -66,7 +72,7 @@ def sim_config(calibration: Path, request_s: float, token_s: float, scales: tupl
     max_model_len = model.max_position_embeddings
     num_blocks = engine_num_kv_blocks(deployment, 16, max_model_len, KV_CACHE_BYTES)
     setup = ReplicaSetup(SchedulerConfig(), num_blocks, 16, True, max_model_len)  # `shardserve serve` defaults
-    return SimConfig(deployment, setup, 1, router=None, overheads=ServingOverheads(request_s, token_s, *scales))
+    return SimConfig(deployment, setup, 1, router=None, overheads=ServingOverheads(request_s, token_s, *costs))
 
 
 def workload(rate_qps: float, level_index: int, num_requests: int):
@@ -77,13 +83,32 @@ def workload(rate_qps: float, level_index: int, num_requests: int):
                                          prompt_salt=level_index, seed=1, **WORKLOAD))
 
 
+def burst(num_requests: int):
+    """The capacity probe's requests: the trace's lengths distribution, its own seed and prompt salt,
+    all sent at once."""
+    from shardserve.sim.workload import WorkloadConfig, build_workload
+
+    specs = build_workload(WorkloadConfig(num_requests=num_requests, request_rate_qps=1.0, prompt_salt=9, seed=2,
+                                          **WORKLOAD))
+    return [s.__class__(s.prompt_token_ids, None, s.output_len, 0.0) for s in specs]
+
+
 def predicted_capacity_qps(config, num_requests: int) -> float:
     """Requests/s the simulated server serves when every request arrives at once."""
     from shardserve.bench.stats import LoadLevel
     from shardserve.sim.simulation import simulate
 
-    specs = [s.__class__(s.prompt_token_ids, None, s.output_len, 0.0) for s in workload(1.0, 9, num_requests)]
-    result, = simulate(config, [(LoadLevel(None, float("inf")), specs)])
+    result, = simulate(config, [(LoadLevel(None, float("inf")), burst(num_requests))])
+    return result.request_throughput_qps
+
+
+def measured_capacity_qps(base_url: str, num_requests: int) -> float:
+    """Requests/s the real server serves when every request arrives at once."""
+    from shardserve.bench.client import run_benchmark
+    from shardserve.bench.stats import LoadLevel
+
+    result = asyncio.run(run_benchmark(base_url, burst(num_requests), None, level=LoadLevel(None, float("inf")),
+                                       show_progress=False))
     return result.request_throughput_qps
 
 
@@ -111,7 +136,8 @@ def probe_http_delay_s(base_url: str, num: int = 24) -> float:
     return max(0.0, result.ttft.mean_ms / 1e3 - server_ttft_s)
 
 
-STEP_PROBES = ((2, 128), (4, 192), (8, 96), (8, 288))  # (decodes in flight, prompt that joins them)
+STEP_PROBES = ((4, 128), (8, 192), (16, 96), (24, 288))  # (long streams, longest prompt that joins them)
+PROBE_ARRIVALS, PROBE_ARRIVAL_QPS = 12, 3.0  # short requests joining each probe (Poisson)
 
 
 def server_steps(records, prompt_lens: dict[int, int]) -> list[tuple[float, int, int, list[tuple[int, int]]]]:
@@ -134,11 +160,32 @@ def server_steps(records, prompt_lens: dict[int, int]) -> list[tuple[float, int,
     return steps
 
 
-def probe_step_scales(base_url: str, calibration: Path) -> tuple[float, float]:
-    """How much longer the server's steps take than the calibrated cost model says: (decode-only
-    steps, steps with a prompt), each the ratio of the sums of measured and modelled step times.
-    Each probe streams `decodes` requests (32-token prompts) and meanwhile sends three prompts of
-    `prompt` tokens; every step the client can see (server_steps) counts."""
+def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: list[tuple[int, float, float]]):
+    """(decode scale, prompt scale, seconds per sequence) with measured = scale * model + per_seq * n.
+    decode_steps / prompt_steps: (sequences in the step, measured s, model s). Decode-only steps are
+    grouped by n and each group's medians fitted (a stalled step on a shared host moves a median
+    little); the prompt scale is then the median ratio over prompt steps, the per-sequence part
+    taken off (a few dozen steps: a median, so that one stalled step does not set it)."""
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for n, measured_s, model_s in decode_steps:
+        groups.setdefault(n, []).append((measured_s, model_s))
+    rows = [(n, float(np.median([m for m, _ in g])), float(np.median([c for _, c in g])), len(g))
+            for n, g in sorted(groups.items()) if len(g) >= 5]
+    weights = np.sqrt([count for *_, count in rows])
+    design = np.array([[model, n] for n, _, model, _ in rows]) * weights[:, None]
+    (decode_scale, per_seq_s), *_ = np.linalg.lstsq(design, np.array([m for _, m, _, _ in rows]) * weights, rcond=None)
+    if per_seq_s < 0:  # no growth with the batch: a scale alone
+        per_seq_s = 0.0
+        decode_scale = sum(m for _, m, _, _ in rows) / sum(c for _, _, c, _ in rows)
+    prompt_scale = float(np.median([(m - per_seq_s * n) / c for n, m, c in prompt_steps]))
+    return float(decode_scale), float(prompt_scale), float(per_seq_s)
+
+
+def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, float]:
+    """How the server's steps differ from the calibrated cost model: fit_step_costs over every step
+    the client can see (server_steps) while each probe streams `decodes` requests (32-token prompts,
+    150 tokens out) and meanwhile sends short requests (prompts of prompt/2..prompt tokens, 8-48
+    out) as a Poisson stream. Its own seed: none of these requests is in the trace."""
     from shardserve.bench.client import run_benchmark
     from shardserve.bench.stats import LoadLevel
     from shardserve.sim.step_clock import StepClock
@@ -147,19 +194,20 @@ def probe_step_scales(base_url: str, calibration: Path) -> tuple[float, float]:
     config = sim_config(calibration, 0.0, 0.0)
     clock = StepClock(config.deployment, config.setup.max_model_len)
     rng = np.random.default_rng(7)
-    sums = {"decode": [0.0, 0.0], "prompt": [0.0, 0.0]}  # [measured, model]
+    decode_steps, prompt_steps = [], []
     for num_decodes, prompt_len in STEP_PROBES:
         specs = [RequestSpec(tuple(rng.integers(100, 40000, size=32).tolist()), None, 150, 0.0)
                  for _ in range(num_decodes)]
-        specs += [RequestSpec(tuple(rng.integers(100, 40000, size=prompt_len).tolist()), None, 1, 0.4 * k)
-                  for k in (1, 2, 3)]
+        # requests come and go meanwhile, as in any served load: their HTTP work shares the cores too
+        arrivals_s = np.cumsum(rng.exponential(1 / PROBE_ARRIVAL_QPS, size=PROBE_ARRIVALS))
+        specs += [RequestSpec(tuple(rng.integers(100, 40000, size=int(rng.integers(prompt_len // 2, prompt_len + 1))).tolist()),
+                              None, int(rng.integers(8, 49)), float(t)) for t in arrivals_s]
         result = asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, None), show_progress=False))
         prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
         for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
-            kind = sums["prompt" if prompts else "decode"]
-            kind[0] += duration_s
-            kind[1] += clock.step_s(decodes, context_sum, prompts)
-    return sums["decode"][0] / sums["decode"][1], sums["prompt"][0] / sums["prompt"][1]
+            row = (decodes + len(prompts), duration_s, clock.step_s(decodes, context_sum, prompts))
+            (prompt_steps if prompts else decode_steps).append(row)
+    return fit_step_costs(decode_steps, prompt_steps)
 
 
 def metrics_of(result) -> dict[str, float]:
@@ -169,8 +217,9 @@ def metrics_of(result) -> dict[str, float]:
 
 def measure(calibration: Path, rates: list[float] | None, num_requests: int):
     """Probe the server's HTTP path and step times, then run the two levels: (results, rates,
-    HTTP delay, step scale). Without `rates`, 0.35 and 0.7 of the capacity the probed simulator
-    predicts."""
+    HTTP delay, step costs, capacities). Without `rates`, 0.35 and 0.7 of the server's measured
+    capacity (so that "high" is the same real load from run to run; the simulated capacity is
+    reported next to it as one more error)."""
     from shardserve.bench.client import run_benchmark
     from shardserve.bench.stats import LoadLevel
     from shardserve.server.process import free_port, server_process
@@ -182,19 +231,23 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
         http_delay_s = probe_http_delay_s(base_url)
         print(f"HTTP path outside the engine: {http_delay_s * 1e3:.2f} ms per request (client TTFT - server TTFT)",
               flush=True)
-        scales = probe_step_scales(base_url, calibration)
-        print(f"serving steps / calibrated cost model: decode-only steps x{scales[0]:.3f}, "
-              f"steps with a prompt x{scales[1]:.3f}", flush=True)
+        costs = probe_step_costs(base_url, calibration)
+        print(f"serving steps vs calibrated cost model: decode-only steps x{costs[0]:.3f}, "
+              f"steps with a prompt x{costs[1]:.3f}, plus {costs[2] * 1e3:.3f} ms per sequence", flush=True)
+        # capacity: the rate a burst of CAPACITY_REQUESTS is served at, measured and simulated
+        capacity = {"measured": measured_capacity_qps(base_url, CAPACITY_REQUESTS),
+                    "simulated": predicted_capacity_qps(sim_config(calibration, 0.0, 0.0, costs), CAPACITY_REQUESTS)}
+        print(f"capacity: measured {capacity['measured']:.2f} req/s, simulated {capacity['simulated']:.2f} req/s",
+              flush=True)
         if rates is None:
-            capacity = predicted_capacity_qps(sim_config(calibration, 0.0, 0.0, scales), num_requests)
-            rates = [round(0.35 * capacity, 2), round(0.7 * capacity, 2)]
-            print(f"predicted capacity {capacity:.2f} req/s: levels {rates[0]} and {rates[1]} req/s", flush=True)
+            rates = [round(0.35 * capacity["measured"], 2), round(0.7 * capacity["measured"], 2)]
+            print(f"levels {rates[0]} and {rates[1]} req/s", flush=True)
         results = []
         for i, rate in enumerate(rates):
             specs = workload(rate, i, num_requests)
             results.append(asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, rate),
                                                      show_progress=False)))
-    return results, rates, http_delay_s, scales
+    return results, rates, http_delay_s, costs, capacity
 
 
 def main() -> None:
@@ -202,7 +255,7 @@ def main() -> None:
     parser.add_argument("--calibration", default=None, help="skip profiling: use this calibration.json")
     parser.add_argument("--num-requests", type=int, default=120, help="per load level")
     parser.add_argument("--rates", default=None, help="the two levels in req/s (default: 0.35 and 0.7 of the "
-                                                      "capacity the calibrated simulator predicts)")
+                                                      "server's measured capacity)")
     args = parser.parse_args()
 
     from shardserve.bench.cli_args import format_result
@@ -218,8 +271,8 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")] if args.rates else None
     names = ["low", "high"]
 
-    measured, rates, http_delay_s, scales = measure(saved, rates, args.num_requests)
-    config = sim_config(saved, http_delay_s / 2, http_delay_s / 2, scales)
+    measured, rates, http_delay_s, costs, capacity = measure(saved, rates, args.num_requests)
+    config = sim_config(saved, http_delay_s / 2, http_delay_s / 2, costs)
     plans = [(LoadLevel(None, rate), workload(rate, i, args.num_requests)) for i, rate in enumerate(rates)]
     simulated = simulate(config, plans)
 
@@ -238,8 +291,10 @@ def main() -> None:
     values = list(errors.values())
     summary = {"median_error": round(float(np.median(values)), 4), "max_error": round(max(values), 4), **errors,
                "rates_qps": rates, "num_requests_per_level": args.num_requests,
-               "http_delay_ms": round(http_delay_s * 1e3, 3), "decode_step_scale": round(scales[0], 4),
-               "prompt_step_scale": round(scales[1], 4),
+               "http_delay_ms": round(http_delay_s * 1e3, 3), "decode_step_scale": round(costs[0], 4),
+               "prompt_step_scale": round(costs[1], 4), "step_seq_ms": round(costs[2] * 1e3, 4),
+               "capacity_qps": {k: round(v, 3) for k, v in capacity.items()},
+               "capacity_error": round(abs(capacity["simulated"] - capacity["measured"]) / capacity["measured"], 4),
                "calibration_mape": _calibration_mape(saved),
                "target": {"max_error": 0.15, "median_error": 0.10}, "wall_s": round(time.perf_counter() - start, 1)}
     (RESULTS / "sim_accuracy.json").write_text(json.dumps(summary, indent=1))

@@ -58,6 +58,8 @@ def add_simulate_parser(subparsers) -> None:
                      help="a serving replica's decode step time over the profiled engine's (above 1 on a CPU host)")
     srv.add_argument("--prompt-step-scale", type=float, default=1.0,
                      help="the same for steps that prefill a prompt")
+    srv.add_argument("--step-seq-ms", type=float, default=0.0,
+                     help="serving time added to a step per sequence in it (streaming its token; above 0 on a CPU host)")
     add_workload_args(p)
     p.set_defaults(func=run_simulate_command)
 
@@ -77,8 +79,9 @@ def build_sim_config(args: argparse.Namespace):
                         ("--max-outstanding-per-replica", args.max_outstanding_per_replica)):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
-    if min(args.request_delay_ms, args.token_delay_ms) < 0 or min(args.decode_step_scale, args.prompt_step_scale) <= 0:
-        raise ConfigError("--request-delay-ms and --token-delay-ms must be >= 0, the step scales > 0")
+    if (min(args.request_delay_ms, args.token_delay_ms, args.step_seq_ms) < 0
+            or min(args.decode_step_scale, args.prompt_step_scale) <= 0):
+        raise ConfigError("--request-delay-ms, --token-delay-ms and --step-seq-ms must be >= 0, the step scales > 0")
     make_policy(args.policy)  # an unknown policy fails here, in one line
     model = resolve_model(args.model)
     parallel = ParallelConfig(tp_size=args.tp, pp_size=args.pp, ep_size=args.ep)
@@ -94,7 +97,8 @@ def build_sim_config(args: argparse.Namespace):
     if args.replicas > 1 or args.router:
         router = RouterConfig(policy=args.policy, max_outstanding_per_replica=args.max_outstanding_per_replica)
     overheads = ServingOverheads(request_s=args.request_delay_ms / 1e3, token_s=args.token_delay_ms / 1e3,
-                                 decode_step_scale=args.decode_step_scale, prompt_step_scale=args.prompt_step_scale)
+                                 decode_step_scale=args.decode_step_scale, prompt_step_scale=args.prompt_step_scale,
+                                 step_seq_s=args.step_seq_ms / 1e3)
     return SimConfig(deployment=deployment, setup=setup, num_replicas=args.replicas, policy=args.policy,
                      router=router, overheads=overheads)
 
@@ -114,10 +118,13 @@ def describe(config) -> str:
 
 
 def _scales(overheads) -> str:
-    if overheads.decode_step_scale == overheads.prompt_step_scale == 1:
-        return ""
-    return (f"; serving scales decode steps x{overheads.decode_step_scale:g}, "
-            f"prompt steps x{overheads.prompt_step_scale:g}")
+    text = ""
+    if not overheads.decode_step_scale == overheads.prompt_step_scale == 1:
+        text += (f"; serving scales decode steps x{overheads.decode_step_scale:g}, "
+                 f"prompt steps x{overheads.prompt_step_scale:g}")
+    if overheads.step_seq_s:
+        text += f"; serving adds {overheads.step_seq_s * 1e3:g} ms per sequence in a step"
+    return text
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:

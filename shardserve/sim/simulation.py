@@ -52,15 +52,21 @@ class ServingOverheads:
     decode_step_scale   a serving replica's decode-only step time over the profiled engine's: 1
                         where HTTP runs beside an accelerator; above 1 on a CPU host, where the
                         server's HTTP thread and a local client take cycles from the model
-    prompt_step_scale   the same for steps that prefill (large matrix products suffer less)"""
+    prompt_step_scale   the same for steps that prefill (large matrix products suffer less)
+    step_seq_s          time added to a step per sequence in it: on a CPU host each token a step
+                        emits is streamed (SSE framing, the socket, the client reading it) by
+                        threads that share the cores and the GIL with the engine, so a step's
+                        serving cost grows with its batch; 0 beside an accelerator"""
 
     request_s: float = 0.0
     token_s: float = 0.0
     decode_step_scale: float = 1.0
     prompt_step_scale: float = 1.0
+    step_seq_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.request_s, self.token_s) < 0 or min(self.decode_step_scale, self.prompt_step_scale) <= 0:
+        if (min(self.request_s, self.token_s, self.step_seq_s) < 0
+                or min(self.decode_step_scale, self.prompt_step_scale) <= 0):
             raise ConfigError("serving delays must be >= 0 and step scales > 0")
 
 
@@ -93,7 +99,7 @@ class Simulation:
         # one clock for the fleet: its cached forms are built once
         overheads = config.overheads
         clock = StepClock(config.deployment, config.setup.max_model_len, overheads.decode_step_scale,
-                          overheads.prompt_step_scale)
+                          overheads.prompt_step_scale, overheads.step_seq_s)
         self.replicas = [SimReplica(i, config.setup, clock) for i in range(config.num_replicas)]
         self.router = SimRouter(config.num_replicas, config.policy, config.router) if config.router else None
         for replica in self.replicas:

@@ -1,5 +1,5 @@
 """How long a simulated engine step takes: the planner's cost model (`cost_model.step_time`), asked
-about the batch the real Scheduler built, scaled by what serving adds to it (ServingOverheads).
+about the batch the real Scheduler built, scaled by what serving adds to it, plus serving's cost per sequence in the step (ServingOverheads).
 
 A step's batch is described the way the cost model sums it: `num_decodes` one-token sequences
 whose contexts add up to `decode_context_sum` (one-token prefill tails count among them, as the
@@ -33,11 +33,13 @@ class StepClock:
     """Step durations in seconds for one replica's deployment (see the module docstring)."""
 
     def __init__(self, deployment: Deployment, max_model_len: int, decode_step_scale: float = 1.0,
-                 prompt_step_scale: float = 1.0):
+                 prompt_step_scale: float = 1.0, step_seq_s: float = 0.0):
         self.deployment = deployment
         self.max_model_len = max_model_len
-        # serving's slowdown of decode-only steps and of steps with a prompt chunk (ServingOverheads)
+        # serving's slowdown of decode-only steps and of steps with a prompt chunk, and its cost per
+        # sequence in a step (ServingOverheads)
         self.decode_step_scale, self.prompt_step_scale = decode_step_scale, prompt_step_scale
+        self.step_seq_s = step_seq_s
         self._decode: dict[int, tuple[float, float] | None] = {}  # n -> (base_s, per_token_s)
         # (n, chunk tokens, chunk context) -> times seen (int), two lines, a value (n = 0) or None (no form)
         self._mixed: dict[tuple[int, int, int], tuple[float, float, float, float] | float | int | None] = {}
@@ -49,7 +51,8 @@ class StepClock:
         summary = BatchSummary(num_prefill_tokens=num_tokens, prefill_context_len=context_len,
                                num_decode_seqs=num_decodes, decode_context_len=mean_context)
         scale = self.prompt_step_scale if num_tokens else self.decode_step_scale
-        return step_time(self.deployment, summary).total_s * scale
+        num_seqs = num_decodes + (1 if num_tokens else 0)
+        return step_time(self.deployment, summary).total_s * scale + self.step_seq_s * num_seqs
 
     def _lines(self, num_decodes: int, chunk: tuple[int, int] | None) -> tuple[float, float, float, float] | None:
         """(a1, b1, a2, b2) with f(S) = max(a1 + b1 S, a2 + b2 S) over S's range, checked; or None."""
@@ -111,4 +114,5 @@ class StepClock:
         batch: list[tuple[float, float]] = list(chunks)
         if num_decodes:
             batch += [(1, decode_context_sum / num_decodes)] * num_decodes
-        return step_time(self.deployment, batch).total_s * self.prompt_step_scale
+        return (step_time(self.deployment, batch).total_s * self.prompt_step_scale
+                + self.step_seq_s * (num_decodes + len(chunks)))

@@ -75,3 +75,14 @@ def test_serving_scales_stretch_decode_and_prompt_steps_apart():
                             rel_tol=1e-9)
     assert math.isclose(served.step_s(0, 0, [(64, 64), (32, 32)]), 1.05 * plain.step_s(0, 0, [(64, 64), (32, 32)]),
                         rel_tol=1e-9)
+
+
+def test_serving_cost_per_sequence_is_added_to_every_step_shape():
+    dep = deployments()[0]
+    plain, served = StepClock(dep, MAX_MODEL_LEN), StepClock(dep, MAX_MODEL_LEN, 1.0, 1.0, 0.0002)
+    for _ in range(2):  # direct, then the cached exact forms
+        assert math.isclose(served.step_s(8, 8 * 300, []), plain.step_s(8, 8 * 300, []) + 8 * 0.0002, rel_tol=1e-9)
+        assert math.isclose(served.step_s(8, 8 * 300, [(128, 128)]),
+                            plain.step_s(8, 8 * 300, [(128, 128)]) + 9 * 0.0002, rel_tol=1e-9)
+    assert math.isclose(served.step_s(3, 3 * 50, [(64, 64), (32, 32)]),
+                        plain.step_s(3, 3 * 50, [(64, 64), (32, 32)]) + 5 * 0.0002, rel_tol=1e-9)
