@@ -86,6 +86,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D] (this step's tokens, already rotated). Returns [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """paged_attention once this step's keys and values are in the cache (a fused op stored them)."""
     native = meta.native_decode
     if native is not None:
         num_decodes = native.context_lens.shape[0]

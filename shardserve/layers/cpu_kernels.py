@@ -20,7 +20,8 @@ def _load(name: str, fast_math: bool):
     try:
         from torch.utils.cpp_extension import load
 
-        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else [])
+        # without fast math, also no fused multiply-adds: the exact ops round as torch's do
+        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else ["-ffp-contract=off"])
         return load(name=f"shardserve_{name}", sources=[str(_CSRC / f"{name}.cpp")], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
@@ -40,3 +41,12 @@ def load_add_rms_norm():
     normalized rows) or None. Exact float semantics: no fast-math."""
     module = _load("fused_elementwise", False)
     return None if module is None else module.add_rms_norm
+
+
+def load_rotary_kv():
+    """`rotary_kv(qkv [T, H + 2 KV, D], cos [T, D], sin [T, D], k_cache, v_cache, slots [T], H)` ->
+    (rotated queries [T, H, D], rotated keys [T, KV, D]), keys and values stored at `slots`; or None.
+    Rounds as apply_rotary + write_kv do."""
+    module = _load("fused_elementwise", False)
+    return None if module is None else module.rotary_kv
+

@@ -13,7 +13,8 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.layers.activation import silu_and_mul
-from shardserve.layers.attention import AttentionMetadata, paged_attention
+from shardserve.layers.attention import AttentionMetadata, attend, paged_attention
+from shardserve.layers.cpu_kernels import load_rotary_kv
 from shardserve.engine.kv_cache import KVShape
 from shardserve.layers.linear import Linear, default_weight_loader
 from shardserve.layers.norm import RMSNorm
@@ -49,10 +50,19 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        # On CPU one native op rotates q and k and stores k and v (Qwen3's qk-norm comes between
+        # the projection and the rotation: that path stays on torch ops)
+        on_cpu = self.qkv_proj.weight.device.type == "cpu"
+        self.rotary_kv = load_rotary_kv() if on_cpu and not config.qk_norm else None
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 KV, D]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        if self.rotary_kv is not None:
+            q, k = self.rotary_kv(qkv, *cos_sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
+            out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+            return self.o_proj(out.reshape(num_tokens, -1))
         qk = qkv[:, : self.num_heads + self.num_kv_heads]  # [T, H + KV, D]
         if self.q_norm is not None:  # Qwen3: normalize each head over D, before rotary
             q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads :].contiguous()
@@ -60,7 +70,6 @@ class Attention(nn.Module):
         # rotate queries and keys in one pass: they are adjacent heads of the fused projection
         qk = apply_rotary(qk, cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -1,11 +1,14 @@
-"""The native CPU decode kernel against the torch decode path on the same paged cache."""
+"""The native CPU kernels against the torch code they replace, on the same paged cache."""
 import pytest
 import torch
 
-from shardserve.layers.attention import AttentionMetadata, DecodeGroup, NativeDecode, gather_ids, paged_attention
-from shardserve.layers.cpu_kernels import load_paged_decode_attention
+from shardserve.layers.attention import (AttentionMetadata, DecodeGroup, NativeDecode, gather_ids, paged_attention,
+                                        write_kv)
+from shardserve.layers.cpu_kernels import load_paged_decode_attention, load_rotary_kv
+from shardserve.layers.rotary import apply_rotary
 
 kernel = load_paged_decode_attention()
+rotary_kv = load_rotary_kv()
 
 
 @pytest.mark.skipif(kernel is None, reason="no C++ toolchain for the native kernel")
@@ -27,3 +30,21 @@ def test_native_decode_matches_torch_path(dtype, tol):
     expected = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), torch_meta, dim**-0.5)
     got = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), native_meta, dim**-0.5)
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(rotary_kv is None, reason="no C++ toolchain for the native kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kv_is_bit_identical_to_apply_rotary_plus_write_kv(dtype):
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 37, 9, 3, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, dtype=dtype)
+    cos, sin = (torch.randn(tokens, 1, dim, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(20 * 16)[:tokens]
+    k_cache = torch.zeros(kv_heads, 20, 16, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    rotated = apply_rotary(qkv[:, : heads + kv_heads], (cos, sin))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv(want_k, want_v, rotated[:, heads:], qkv[:, heads + kv_heads :], slots)
+    q, k = rotary_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

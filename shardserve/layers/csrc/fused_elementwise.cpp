@@ -1,6 +1,7 @@
-// Fused residual-add + RMSNorm for CPU decode steps, where each small torch op costs more to dispatch
-// than to compute. It computes what the unfused torch code computes, row by row (so results
-// do not depend on the batch), in float32 internally, rounding where the reference rounds.
+// Fused elementwise ops for CPU steps, where each small torch op costs more to dispatch than to
+// compute: residual-add + RMSNorm, and rotary embedding + the KV-cache write. Each computes what
+// the unfused torch code computes, row by row (so results do not depend on the batch), in float32
+// internally, rounding where the reference rounds.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -32,7 +33,66 @@ void add_rms_norm_impl(T* residual, const T* delta, const T* weight, T* out, int
   });
 }
 
+// Per token t: rotate its H query and KV key heads (x * cos + rotate_half(x) * sin, rotate_half(x)
+// = [-x2, x1], each product and the sum rounded to T as torch rounds them) into q_out / k_out,
+// and store the rotated keys and the values at cache slot slots[t] of every kv head.
+template <typename T>
+void rotary_kv_impl(const T* qkv, const T* cos, const T* sin, const int64_t* slots, T* q_out, T* k_out,
+                    T* k_cache, T* v_cache, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                    int64_t slots_per_head) {
+  const int64_t half = dim / 2, row_heads = heads + 2 * kv_heads;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * row_heads * dim;
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        const T* x = row + h * dim;
+        T* o = h < heads ? q_out + (t * heads + h) * dim : k_out + (t * kv_heads + h - heads) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float rotated = i < half ? -to_float(x[i + half]) : to_float(x[i - half]);
+          const float a = to_float(round_to<T>(to_float(x[i]) * to_float(c[i])));
+          const float b = to_float(round_to<T>(rotated * to_float(s[i])));
+          o[i] = round_to<T>(a + b);
+        }
+        if (h >= heads) std::memcpy(k_cache + ((h - heads) * slots_per_head + slots[t]) * dim, o, dim * sizeof(T));
+      }
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        std::memcpy(v_cache + (kv * slots_per_head + slots[t]) * dim, row + (heads + kv_heads + kv) * dim, dim * sizeof(T));
+    }
+  });
+}
+
 }  // namespace
+
+std::vector<torch::Tensor> rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor slots, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "qkv [T, H + 2 KV, D], cos and sin [T, D] must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == torch::kInt64,
+              "caches must be contiguous and slots int64");
+  const int64_t tokens = qkv.size(0), dim = qkv.size(2), kv_heads = (qkv.size(1) - heads) / 2;
+  TORCH_CHECK(dim % 2 == 0 && k_cache.size(0) == kv_heads && k_cache.size(-1) == dim, "shape mismatch");
+  TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim && slots.numel() == tokens, "shape mismatch");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && k_cache.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  auto q_out = torch::empty({tokens, heads, dim}, qkv.options());
+  auto k_out = torch::empty({tokens, kv_heads, dim}, qkv.options());
+  const int64_t slots_per_head = k_cache.numel() / (kv_heads * dim);
+  auto s = slots.contiguous();
+  if (qkv.scalar_type() == torch::kFloat32) {
+    rotary_kv_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), s.data_ptr<int64_t>(),
+                          q_out.data_ptr<float>(), k_out.data_ptr<float>(), k_cache.data_ptr<float>(),
+                          v_cache.data_ptr<float>(), tokens, heads, kv_heads, dim, slots_per_head);
+  } else if (qkv.scalar_type() == torch::kBFloat16) {
+    using B = c10::BFloat16;
+    rotary_kv_impl<B>(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), s.data_ptr<int64_t>(),
+                      q_out.data_ptr<B>(), k_out.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), tokens,
+                      heads, kv_heads, dim, slots_per_head);
+  } else {
+    TORCH_CHECK(false, "rotary_kv supports float32 and bfloat16");
+  }
+  return {q_out, k_out};
+}
 
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
   TORCH_CHECK(residual.is_contiguous() && weight.is_contiguous(), "inputs must be contiguous");
@@ -59,4 +119,5 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; return rms_norm(residual)");
+  m.def("rotary_kv", &rotary_kv, "rotate queries and keys, store keys and values in the paged cache");
 }
