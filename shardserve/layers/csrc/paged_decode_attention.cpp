@@ -7,9 +7,10 @@
 // At decode batch sizes the cache reads dominate and come from DRAM (a step touches every
 // sequence's whole context, far more than the caches hold), at scattered 2 KB blocks. With
 // AVX-512 and head_dim a multiple of 16 the kernel therefore prefetches the next block (and the
-// first value blocks while the softmax runs) and keeps the arithmetic in vector registers:
-// widening bf16 is a shift, exp is a vector polynomial. Otherwise a portable loop does the same
-// math.
+// first value blocks while the softmax runs) and keeps the arithmetic in vector registers: up to
+// four heads' dot products and output sums live in registers while a row streams by, bf16 keys
+// meet bf16 queries in the AVX512-BF16 dot instruction (exact products, float32 sums), widening
+// bf16 values is a shift, exp is a vector polynomial. Otherwise a portable loop does the same math.
 //
 //   q            [B, H, D]                 (float32 or bfloat16, contiguous)
 //   k/v cache    [KV, num_blocks, bs, D]   (same dtype, contiguous)
@@ -112,6 +113,65 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// s[g * s_stride + t] = scale * (q_g . keys[t]) for t < n, for GN query heads; qf is q * scale in
+// float32. Each key row is loaded (and widened) once for all GN heads.
+template <int GN>
+inline void score_keys(const float* keys, int64_t n, int64_t head_dim, const float* qf, const float* /*q*/,
+                       float /*scale*/, float* s, int64_t s_stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 dot[GN];
+    for (int g = 0; g < GN; ++g) dot[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < head_dim; c += 16) {
+      const __m512 k = _mm512_loadu_ps(keys + t * head_dim + c);
+      for (int g = 0; g < GN; ++g) dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * head_dim + c), k, dot[g]);
+    }
+    for (int g = 0; g < GN; ++g) s[g * s_stride + t] = _mm512_reduce_add_ps(dot[g]);
+  }
+}
+
+template <int GN>
+inline void score_keys(const c10::BFloat16* keys, int64_t n, int64_t head_dim, const float* qf,
+                       const c10::BFloat16* q, float scale, float* s, int64_t s_stride) {
+#if defined(__AVX512BF16__)
+  if (head_dim % 32 == 0) {  // bf16 pairs straight from the cache: 32 exact products per instruction
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 dot[GN];
+      for (int g = 0; g < GN; ++g) dot[g] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 32) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + t * head_dim + c);
+        for (int g = 0; g < GN; ++g) dot[g] = _mm512_dpbf16_ps(dot[g], (__m512bh)_mm512_loadu_si512(q + g * head_dim + c), k);
+      }
+      for (int g = 0; g < GN; ++g) s[g * s_stride + t] = _mm512_reduce_add_ps(dot[g]) * scale;
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 dot[GN];
+    for (int g = 0; g < GN; ++g) dot[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < head_dim; c += 16) {
+      const __m512 k = load16(keys + t * head_dim + c);
+      for (int g = 0; g < GN; ++g) dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * head_dim + c), k, dot[g]);
+    }
+    for (int g = 0; g < GN; ++g) s[g * s_stride + t] = _mm512_reduce_add_ps(dot[g]);
+  }
+}
+
+// acc[g][:] += sum over t < n of p[g * p_stride + t] * values[t][:], for GN query heads
+template <int GN, typename T>
+inline void accumulate_values(const T* values, int64_t n, int64_t head_dim, const float* p, int64_t p_stride,
+                              float* acc) {
+  for (int64_t c = 0; c < head_dim; c += 16) {
+    __m512 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_loadu_ps(acc + g * head_dim + c);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 v = load16(values + t * head_dim + c);
+      for (int g = 0; g < GN; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), v, a[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * head_dim + c, a[g]);
+  }
+}
+
 inline void prefetch_block(const void* block, int64_t num_bytes) {
   const char* p = static_cast<const char*>(block);
   for (int64_t i = 0; i < num_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
@@ -137,13 +197,14 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
     else prefetch_block(v_base + table[0] * block_elems, block_bytes);  // the value pass starts next
     const T* keys = k_base + table[b] * block_elems;
     const int64_t n = std::min(block_size, context_len - b * block_size);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* kt = keys + t * head_dim;
-      for (int64_t g = 0; g < group; ++g) {  // the key row is re-read (from L1) for each head
-        const float* qg = &qf[g * head_dim];
-        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(kt));
-        for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), load16(kt + 16 * c), dot);
-        scores[g * padded + b * block_size + t] = _mm512_reduce_add_ps(dot);
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {  // up to 4 heads at a time, their dots in registers
+      const int64_t off = g0 * head_dim;
+      float* s = &scores[g0 * padded + b * block_size];
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: score_keys<1>(keys, n, head_dim, &qf[off], q + off, scale, s, padded); break;
+        case 2: score_keys<2>(keys, n, head_dim, &qf[off], q + off, scale, s, padded); break;
+        case 3: score_keys<3>(keys, n, head_dim, &qf[off], q + off, scale, s, padded); break;
+        default: score_keys<4>(keys, n, head_dim, &qf[off], q + off, scale, s, padded); break;
       }
     }
   }
@@ -175,17 +236,14 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
     if (b + 1 < n_blocks) prefetch_block(v_base + table[b + 1] * block_elems, block_bytes);
     const T* values = v_base + table[b] * block_elems;
     const int64_t n = std::min(block_size, context_len - b * block_size);
-    for (int64_t c = 0; c < chunks; ++c) {  // one 16-wide slice of D at a time: G accumulators
-      __m512 a[8];
-      for (int64_t g0 = 0; g0 < group; g0 += 8) {
-        const int64_t gn = std::min<int64_t>(8, group - g0);
-        for (int64_t g = 0; g < gn; ++g) a[g] = _mm512_loadu_ps(&acc[(g0 + g) * head_dim + 16 * c]);
-        for (int64_t t = 0; t < n; ++t) {
-          const __m512 v = load16(values + t * head_dim + 16 * c);
-          for (int64_t g = 0; g < gn; ++g)
-            a[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(g0 + g) * padded + b * block_size + t]), v, a[g]);
-        }
-        for (int64_t g = 0; g < gn; ++g) _mm512_storeu_ps(&acc[(g0 + g) * head_dim + 16 * c], a[g]);
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {  // up to 4 heads at a time, their sums in registers
+      const float* p = &scores[g0 * padded + b * block_size];
+      float* a = &acc[g0 * head_dim];
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: accumulate_values<1>(values, n, head_dim, p, padded, a); break;
+        case 2: accumulate_values<2>(values, n, head_dim, p, padded, a); break;
+        case 3: accumulate_values<3>(values, n, head_dim, p, padded, a); break;
+        default: accumulate_values<4>(values, n, head_dim, p, padded, a); break;
       }
     }
   }
