@@ -18,6 +18,8 @@ no Shutdown is sent and the caller kills the ranks it spawned instead of waiting
 """
 from __future__ import annotations
 
+import gc
+
 import logging
 import time
 from contextlib import contextmanager
@@ -90,6 +92,7 @@ class ParallelExecutor:
 def run_worker_loop(worker: Worker) -> None:
     """A non-driver rank: execute every step the driver sends until Shutdown. Raises (and the
     caller exits non-zero) when the driver or a peer is lost."""
+    gc.freeze()  # the loaded model's objects are permanent: no full collection walks them (serve.py)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=worker.groups.control)

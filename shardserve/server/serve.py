@@ -1,6 +1,7 @@
 """Start one replica: load the engine, run its step loop, serve the API with uvicorn."""
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -37,6 +38,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     their error, and the server exits with 1 so that a supervisor restarts the replica."""
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, async_engine = build_server(engine_config, server_config)
+    # The model, tokenizer and app live as long as the process: take their objects (about 190k for
+    # SmolLM2) out of the cyclic collector's reach. Otherwise each full collection walks them all
+    # and stalls the engine loop for about 100 ms, at random, in the middle of serving.
+    gc.freeze()
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=server_config.log_level, timeout_graceful_shutdown=5))
     stopping = threading.Event()
