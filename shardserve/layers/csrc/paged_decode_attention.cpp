@@ -115,18 +115,24 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 // s[g * s_stride + t] = scale * (q_g . keys[t]) for t < n, for GN query heads; qf is q * scale in
 // float32. Each key row is loaded (and widened) once for all GN heads.
-template <int GN>
-inline void score_keys(const float* keys, int64_t n, int64_t head_dim, const float* qf, const float* /*q*/,
-                       float /*scale*/, float* s, int64_t s_stride) {
+template <int GN, typename T>
+inline void score_keys_widened(const T* keys, int64_t n, int64_t head_dim, const float* qf, float* s,
+                               int64_t s_stride) {
   for (int64_t t = 0; t < n; ++t) {
     __m512 dot[GN];
     for (int g = 0; g < GN; ++g) dot[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < head_dim; c += 16) {
-      const __m512 k = _mm512_loadu_ps(keys + t * head_dim + c);
+      const __m512 k = load16(keys + t * head_dim + c);
       for (int g = 0; g < GN; ++g) dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * head_dim + c), k, dot[g]);
     }
     for (int g = 0; g < GN; ++g) s[g * s_stride + t] = _mm512_reduce_add_ps(dot[g]);
   }
+}
+
+template <int GN>
+inline void score_keys(const float* keys, int64_t n, int64_t head_dim, const float* qf, const float* /*q*/,
+                       float /*scale*/, float* s, int64_t s_stride) {
+  score_keys_widened<GN>(keys, n, head_dim, qf, s, s_stride);
 }
 
 template <int GN>
@@ -146,15 +152,7 @@ inline void score_keys(const c10::BFloat16* keys, int64_t n, int64_t head_dim, c
     return;
   }
 #endif
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 dot[GN];
-    for (int g = 0; g < GN; ++g) dot[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < head_dim; c += 16) {
-      const __m512 k = load16(keys + t * head_dim + c);
-      for (int g = 0; g < GN; ++g) dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * head_dim + c), k, dot[g]);
-    }
-    for (int g = 0; g < GN; ++g) s[g * s_stride + t] = _mm512_reduce_add_ps(dot[g]);
-  }
+  score_keys_widened<GN>(keys, n, head_dim, qf, s, s_stride);
 }
 
 // acc[g][:] += sum over t < n of p[g * p_stride + t] * values[t][:], for GN query heads
