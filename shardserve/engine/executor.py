@@ -19,7 +19,6 @@ no Shutdown is sent and the caller kills the ranks it spawned instead of waiting
 from __future__ import annotations
 
 import gc
-
 import logging
 import time
 from contextlib import contextmanager

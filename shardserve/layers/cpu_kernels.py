@@ -49,4 +49,3 @@ def load_rotary_kv():
     Rounds as apply_rotary + write_kv do."""
     module = _load("fused_elementwise", False)
     return None if module is None else module.rotary_kv
-

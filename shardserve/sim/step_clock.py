@@ -1,5 +1,6 @@
 """How long a simulated engine step takes: the planner's cost model (`cost_model.step_time`), asked
-about the batch the real Scheduler built, scaled by what serving adds to it, plus serving's cost per sequence in the step (ServingOverheads).
+about the batch the real Scheduler built, scaled by what serving adds to it, plus serving's cost
+per sequence in the step (ServingOverheads).
 
 A step's batch is described the way the cost model sums it: `num_decodes` one-token sequences
 whose contexts add up to `decode_context_sum` (one-token prefill tails count among them, as the
