@@ -8,21 +8,21 @@
    `shardserve bench --dataset random --input-len 192 --output-len 48 --range-ratio 0.5
    --request-rate LOW,HIGH` would send, at 0.35 and 0.7 of the server's capacity (a burst of 60
    other requests of the same lengths, all sent at once: the rate it is served at; the simulator
-   predicts it too, and its error is reported; --rates overrides). Before the trace, a probe of sequential tiny
-   requests measures the HTTP path: the client's TTFT minus the server's own (its Prometheus
-   histogram) is the time a request spends outside the engine, split evenly between the way in and
-   the first token's way out. Then step probes (4 to 24 long streams, short requests joining them)
-   read the server's step times off the client's chunk times and fit them against the calibrated
-   cost model: a scale for decode-only steps, one for steps with a prompt, and a cost per sequence
-   in a step (streaming its token shares the cores with the engine). These are the simulator's
-   ServingOverheads; none of them is fitted to the trace.
+   predicts it too, and its error is reported; --rates overrides). Before the trace, a probe of
+   sequential tiny requests measures the HTTP path: the client's TTFT minus the server's own (its
+   Prometheus histogram) is the time a request spends outside the engine, split evenly between
+   the way in and the first token's way out. Then step probes (4 to 24 long streams, short
+   requests joining them) read the server's step times off the client's chunk times and fit them
+   against the calibrated cost model: a scale for decode-only steps, one for steps with a prompt,
+   and a cost per sequence in a step (streaming its token shares the cores with the engine).
+   These are the simulator's ServingOverheads; none of them is fitted to the trace.
 3. Simulate the same requests with the calibrated cost model and those delays.
 4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
    |simulated - measured| / measured.
 
 Run
     .venv/bin/python benchmarks/sim_accuracy.py [--calibration FILE] [--num-requests N] [--rates R1,R2]
-    About four minutes on this host. Prints both reports and a comparison table; the last line is
+    About two minutes on this host. Prints both reports and a comparison table; the last line is
     `RESULT {"median_error": .., "max_error": .., <level>_<metric>_error: ..}` (also
     benchmarks/results/sim_accuracy.json). Target: max_error <= 0.15, median_error <= 0.10. Run it
     alone: the server, the client and the profiler share this host's two cores, and the simulator
@@ -60,7 +60,8 @@ def calibrate(out_dir: Path) -> Path:
     return out_dir / "calibration.json"
 
 
-def sim_config(calibration: Path, request_s: float, token_s: float, costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
+def sim_config(calibration: Path, request_s: float, token_s: float,
+               costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
     from shardserve.config import ParallelConfig, SchedulerConfig
     from shardserve.planner.model_presets import resolve_model
     from shardserve.sim.fleet_setup import engine_num_kv_blocks, resolve_deployment
@@ -200,8 +201,10 @@ def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, fl
                  for _ in range(num_decodes)]
         # requests come and go meanwhile, as in any served load: their HTTP work shares the cores too
         arrivals_s = np.cumsum(rng.exponential(1 / PROBE_ARRIVAL_QPS, size=PROBE_ARRIVALS))
-        specs += [RequestSpec(tuple(rng.integers(100, 40000, size=int(rng.integers(prompt_len // 2, prompt_len + 1))).tolist()),
-                              None, int(rng.integers(8, 49)), float(t)) for t in arrivals_s]
+        for arrival_s in arrivals_s:
+            size = int(rng.integers(prompt_len // 2, prompt_len + 1))
+            specs.append(RequestSpec(tuple(rng.integers(100, 40000, size=size).tolist()), None,
+                                     int(rng.integers(8, 49)), float(arrival_s)))
         result = asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, None), show_progress=False))
         prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
         for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
