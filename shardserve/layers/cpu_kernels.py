@@ -49,3 +49,10 @@ def load_rotary_kv():
     Rounds as apply_rotary + write_kv do."""
     module = _load("fused_elementwise", False)
     return None if module is None else module.rotary_kv
+
+
+def load_bf16_linear():
+    """The bfloat16 linear kernel module (`pack(weight)`, `linear(x, packed, bias, out_features)`),
+    or None: no toolchain, or a CPU without AVX512-BF16."""
+    module = _load("bf16_linear", False)
+    return module if module is not None and module.supported() else None

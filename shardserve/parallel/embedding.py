@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.layers.linear import copy_checked, packed_linear, prepack_weight
+from shardserve.layers.linear import PackedWeight, copy_checked, prepack_weight
 from shardserve.models.lazy_tensor import LazyTensor, as_lazy
 from shardserve.parallel.comm import all_gather, all_reduce
 from shardserve.parallel.groups import GroupInfo
@@ -49,7 +49,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: GroupInfo):
         super().__init__(vocab_size, hidden_size, dtype, tp)
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
 
     def prepack(self) -> None:
         self.packed = prepack_weight(self.weight)
@@ -59,7 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         if self.packed is not None:
-            local = packed_linear(hidden, self.packed, None)  # [N, V']
+            local = self.packed.linear(hidden, None)  # [N, V']
         else:
             local = F.linear(hidden, self.weight)
         return all_gather(local.float(), self.tp, dim=-1)[:, : self.vocab_size]

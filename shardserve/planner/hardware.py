@@ -252,14 +252,15 @@ def measure_this_host(dtype: str = "bfloat16", device: str | None = None, matmul
     b = torch.randn(size, size, device=device).to(torch_dtype)
     flop_s = 2 * size**3 / best_time_s(lambda: torch.mm(a, b))
     if device == "cpu":
-        # The engine's linears run on weights prepacked for oneDNN, which on an AVX-512 host is
-        # up to 2.4x faster than torch.mm's path (470 vs 200 GFLOP/s in float32 on the 2-core
-        # dev VM): time that path too, or the "peak" sits below what the engine reaches.
-        from shardserve.layers.linear import packed_linear, prepack_weight
+        # The engine's linears run on prepacked weights (oneDNN's layout; in bfloat16 with
+        # AVX512-BF16 our own kernel), up to 2.4x faster than torch.mm's path (470 vs 200 GFLOP/s
+        # in float32 on the 2-core dev VM): time that path too, or the "peak" sits below what
+        # the engine reaches.
+        from shardserve.layers.linear import prepack_weight
 
         packed = prepack_weight(b)
         if packed is not None:
-            flop_s = max(flop_s, 2 * size**3 / best_time_s(lambda: packed_linear(a, packed, None)))
+            flop_s = max(flop_s, 2 * size**3 / best_time_s(lambda: packed.linear(a, None)))
     src = torch.ones(num_copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_bytes_s = 2 * num_copy_bytes / best_time_s(lambda: dst.copy_(src))
