@@ -51,8 +51,9 @@ def load_rotary_kv():
     return None if module is None else module.rotary_kv
 
 
-def load_bf16_linear():
-    """The bfloat16 linear kernel module (`pack(weight)`, `linear(x, packed, bias, out_features)`),
-    or None: no toolchain, or a CPU without AVX512-BF16."""
-    module = _load("bf16_linear", False)
-    return module if module is not None and module.supported() else None
+
+def load_panel_linear(dtype):
+    """The panel linear kernel module for `dtype` (`pack(weight)`, `linear(x, packed, bias,
+    out_features)`), or None: no toolchain, or a CPU without the instructions for that dtype."""
+    module = _load("panel_linear", False)
+    return module if module is not None and module.supported(dtype) else None

@@ -6,9 +6,9 @@ tensor goes, so the model's `load_weights` is a name mapping and nothing else. A
 only a slice of each checkpoint matrix (`row_starts`, `input_slice`: a tensor-parallel rank's
 share, see shardserve/parallel/linear.py); its loader then reads just that slice.
 
-On CPU, weights are repacked once, after loading, for the fastest kernel there: in bfloat16 on a
-CPU with AVX512-BF16 our own panel kernel (csrc/bf16_linear.cpp: 1.6x oneDNN's time at decode
-batch sizes with weights streaming from DRAM, and no slower at prefill sizes), otherwise oneDNN's
+On CPU, weights are repacked once, after loading, for the fastest kernel there: on a CPU with
+AVX-512 our own panel kernel (csrc/panel_linear.cpp; at decode batch sizes, with weights
+streaming from DRAM, 1.5x faster than oneDNN in bfloat16 and 1.3x in float32), otherwise oneDNN's
 blocked layout (a plain `F.linear` re-lays the weight out on every call, which costs 1.5-3x at
 decode batch sizes).
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.layers.cpu_kernels import load_bf16_linear
+from shardserve.layers.cpu_kernels import load_panel_linear
 from shardserve.models.lazy_tensor import LazyTensor, as_lazy
 
 
@@ -37,17 +37,17 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]
-        self.bf16_kernel = load_bf16_linear() if weight.dtype == torch.bfloat16 else None
-        if self.bf16_kernel is not None:
-            self.data = self.bf16_kernel.pack(weight.detach().contiguous())
+        self.panel_kernel = load_panel_linear(weight.dtype)
+        if self.panel_kernel is not None:
+            self.data = self.panel_kernel.pack(weight.detach().contiguous())
         else:
             self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # 32: decode batch hint
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.bf16_kernel is None:
+        if self.panel_kernel is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])
-        y = self.bf16_kernel.linear(rows, self.data, bias, self.out_features)
+        y = self.panel_kernel.linear(rows, self.data, bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -55,9 +55,7 @@ def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The weight repacked for this CPU's fastest kernel, or None where no packed path applies."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if weight.dtype == torch.bfloat16 and load_bf16_linear() is not None:
-        return PackedWeight(weight)
-    if not torch.backends.mkldnn.is_available():
+    if load_panel_linear(weight.dtype) is None and not torch.backends.mkldnn.is_available():
         return None
     try:
         return PackedWeight(weight)

@@ -1,0 +1,175 @@
+// Linear layer on CPUs with AVX-512: y [M, N] = x [M, K] W^T (+ bias), float32 sums; bfloat16
+// (with AVX512-BF16) or float32 in and out.
+//
+// At decode batch sizes (M of 1-64 rows) every weight byte is used M times and then not again
+// until the next step: the weights stream from DRAM, and a layer's matmul is short enough that
+// the fork/join, packing and cache misses of a general GEMM cost as much as the arithmetic. This
+// kernel is built for that shape:
+//   - W is repacked once into panels of 32 output columns with kw consecutive k values
+//     interleaved ([N/32][K/kw][32][kw]; kw = 2 for bf16, 1 for float32), so one panel is one
+//     contiguous stream and each 64-byte load feeds one dot (bf16 pairs) or multiply-add;
+//   - a panel (32 x K, 36 KB in bf16 at K = 576) stays in L1 (L2 for larger K) while every block
+//     of up to 12 rows of x runs over it: 24 float32 accumulators live in registers and each x
+//     value (pair) is a broadcast;
+//   - while a thread works on one panel it prefetches its next one, so the DRAM stream overlaps
+//     the arithmetic instead of stalling it;
+//   - panels are split over threads once per call (static, no work queue).
+// Each output is a sum over k in a fixed order that does not depend on M: a row gets the same
+// result whatever else is in the batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <array>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;    // output columns per panel: two 16-lane registers
+constexpr int64_t kMaxRows = 12;  // rows of x per register block: 24 accumulators
+
+#if defined(__AVX512F__)
+// One block of R rows against one panel, in float32 sums. Per step of the k loop: two 64-byte
+// weight loads (32 columns x kw k values), one broadcast of each row's kw x values, two
+// multiply-adds per row. bf16: kw = 2, the dot instruction sums the pair; float32: kw = 1.
+template <typename T, int R>
+inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, const float* bias, T* y,
+                       int64_t ldy, int64_t cols, const T* prefetch) {
+  constexpr int64_t kw = std::is_same_v<T, float> ? 1 : 2;
+  __m512 acc[R][2];
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = b0;
+    acc[r][1] = b1;
+  }
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // one 32-bit lane: a float, or a bf16 pair
+  const int64_t ldx_steps = ldx / kw;
+  for (int64_t p = 0; p < ksteps; ++p) {
+    const T* w = panel + p * kw * kPanel;
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + kw * kPanel / 2);
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kw * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kw * kPanel + kw * kPanel / 2), _MM_HINT_T0);
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512i xb = _mm512_set1_epi32(xp[r * ldx_steps + p]);
+      if constexpr (kw == 1) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(xb), _mm512_castsi512_ps(w0), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(xb), _mm512_castsi512_ps(w1), acc[r][1]);
+      } else {
+#if defined(__AVX512BF16__)
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)xb, (__m512bh)w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)xb, (__m512bh)w1);
+#endif
+      }
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    if constexpr (kw == 1) {
+      _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+      _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+    } else {
+#if defined(__AVX512BF16__)
+      // float32 -> bfloat16 rounds to nearest even, as torch's conversion does
+      _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+      _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+#endif
+    }
+  }
+}
+
+template <typename T>
+using PanelRowsFn = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, int64_t, const T*);
+
+template <typename T, int... Rs>
+constexpr std::array<PanelRowsFn<T>, sizeof...(Rs)> make_table(std::integer_sequence<int, Rs...>) {
+  return {&panel_rows<T, Rs + 1>...};
+}
+
+template <typename T>
+torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, int64_t n) {
+  static constexpr auto kTable = make_table<T>(std::make_integer_sequence<int, kMaxRows>{});
+  const int64_t m = x.size(0), ksteps = packed.size(1), kw = packed.size(3);
+  auto y = torch::empty({m, n}, x.options());
+  const T* xd = x.data_ptr<T>();
+  const T* wd = packed.data_ptr<T>();
+  T* yd = y.data_ptr<T>();
+  const int64_t ldx = x.size(1), panel_elems = ksteps * kw * kPanel;
+  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const T* w = wd + panel * panel_elems;
+      const T* next = panel + 1 < end ? w + panel_elems : nullptr;
+      const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
+      for (int64_t row = 0; row < m; row += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, m - row);
+        // the first row block pulls the panel into L1 and prefetches the next one
+        kTable[rows - 1](xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, cols,
+                         row == 0 ? next : nullptr);
+      }
+    }
+  });
+  return y;
+}
+#endif
+
+}  // namespace
+
+bool supported(torch::ScalarType dtype) {
+#if defined(__AVX512BF16__)
+  if (dtype == torch::kBFloat16) return true;
+#endif
+#if defined(__AVX512F__)
+  if (dtype == torch::kFloat32) return true;
+#endif
+  return false;
+}
+
+// W [N, K] -> panels [ceil(N/32)][ceil(K/kw)][32][kw], zero-padded (kw: 2 for bf16, 1 for float32).
+torch::Tensor pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && supported(weight.scalar_type()), "pack: weight must be 2-D bfloat16 or float32");
+  const int64_t kw = weight.scalar_type() == torch::kBFloat16 ? 2 : 1;
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel, k_pad = (k + kw - 1) / kw * kw;
+  auto padded = torch::zeros({n_pad, k_pad}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({n_pad / kPanel, kPanel, k_pad / kw, kw}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K], packed from pack() (same dtype), bias [N] or None -> y [M, N].
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && supported(x.scalar_type()) && packed.scalar_type() == x.scalar_type(),
+              "linear: x must be 2-D, of the packed weight's dtype");
+  const int64_t kw = packed.size(3);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && (x.size(1) + kw - 1) / kw == packed.size(1),
+              "linear: packed weight does not match x");
+  TORCH_CHECK(packed.size(0) * kPanel >= n, "linear: packed weight has fewer than n rows");
+  torch::Tensor bias32;  // padded to whole panels, so the last panel's bias load stays in bounds
+  if (bias.has_value() && bias->defined()) {
+    bias32 = torch::zeros({packed.size(0) * kPanel}, x.options().dtype(torch::kFloat32));
+    bias32.narrow(0, 0, n).copy_(*bias);
+  }
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  x = x.contiguous();
+  if (x.size(1) % kw) x = torch::constant_pad_nd(x, {0, 1});  // the last k's pair meets zero weights
+#if defined(__AVX512F__)
+  if (x.scalar_type() == torch::kFloat32) return run_linear<float>(x, packed, b, n);
+#endif
+#if defined(__AVX512BF16__)
+  return run_linear<c10::BFloat16>(x, packed, b, n);
+#endif
+  TORCH_CHECK(false, "linear: this build has no kernel for this dtype");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported", &supported, "whether this build has a kernel for the dtype");
+  m.def("pack", &pack, "repack a weight [N, K] into the kernel's panels");
+  m.def("linear", &linear, "y = x W^T (+ bias) from packed panels, float32 sums");
+}
