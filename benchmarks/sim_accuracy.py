@@ -15,14 +15,17 @@
    requests joining them) read the server's step times off the client's chunk times and fit them
    against the calibrated cost model: a scale for decode-only steps, one for steps with a prompt,
    and a cost per sequence in a step (streaming its token shares the cores with the engine).
-   These are the simulator's ServingOverheads; none of them is fitted to the trace.
-3. Simulate the same requests with the calibrated cost model and those delays.
+   These are the simulator's ServingOverheads; none of them is fitted to the trace. The step
+   probes run before the capacity burst and again right before each level (a shared host's
+   speed drifts by 10-20% over minutes), each with its own requests.
+3. Simulate each level with the calibrated cost model and the delays probed for it.
 4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
-   |simulated - measured| / measured.
+   |simulated - measured| / measured. As a diagnosis, also the median ratio of the trace's own
+   step times (read off its chunk times) to the step clock's, for decode-only and prompt steps.
 
 Run
     .venv/bin/python benchmarks/sim_accuracy.py [--calibration FILE] [--num-requests N] [--rates R1,R2]
-    About two minutes on this host. Prints both reports and a comparison table; the last line is
+    About three minutes on this host. Prints both reports and a comparison table; the last line is
     `RESULT {"median_error": .., "max_error": .., <level>_<metric>_error: ..}` (also
     benchmarks/results/sim_accuracy.json). Target: max_error <= 0.15, median_error <= 0.10. Run it
     alone: the server, the client and the profiler share this host's two cores, and the simulator
@@ -47,6 +50,7 @@ KV_CACHE_BYTES = 1 << 30
 WORKLOAD = dict(dataset="random", input_len=192, output_len=48, range_ratio=0.5)
 CAPACITY_REQUESTS = 60
 METRICS = ("output_tok_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+LEVEL_NAMES = ("low", "high")
 
 
 def calibrate(out_dir: Path) -> Path:
@@ -182,7 +186,7 @@ def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: l
     return float(decode_scale), float(prompt_scale), float(per_seq_s)
 
 
-def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, float]:
+def probe_step_costs(base_url: str, calibration: Path, seed: int) -> tuple[float, float, float]:
     """How the server's steps differ from the calibrated cost model: fit_step_costs over every step
     the client can see (server_steps) while each probe streams `decodes` requests (32-token prompts,
     150 tokens out) and meanwhile sends short requests (prompts of prompt/2..prompt tokens, 8-48
@@ -194,7 +198,7 @@ def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, fl
 
     config = sim_config(calibration, 0.0, 0.0)
     clock = StepClock(config.deployment, config.setup.max_model_len)
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     decode_steps, prompt_steps = [], []
     for num_decodes, prompt_len in STEP_PROBES:
         specs = [RequestSpec(tuple(rng.integers(100, 40000, size=32).tolist()), None, 150, 0.0)
@@ -213,16 +217,32 @@ def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, fl
     return fit_step_costs(decode_steps, prompt_steps)
 
 
+def trace_step_ratios(result, specs, calibration: Path, costs: tuple[float, float, float]) -> dict[str, float]:
+    """Diagnosis only (nothing is fitted to it): the median of measured / predicted step time over
+    the trace's own steps, as read off its chunk times, for decode-only steps and steps with a
+    prompt; the predictions are the step clock the simulator runs on."""
+    from shardserve.sim.step_clock import StepClock
+
+    config = sim_config(calibration, 0.0, 0.0, costs)
+    clock = StepClock(config.deployment, config.setup.max_model_len, *costs)
+    prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
+    ratios: dict[str, list[float]] = {"decode": [], "prompt": []}
+    for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
+        ratios["prompt" if prompts else "decode"].append(duration_s / clock.step_s(decodes, context_sum, prompts))
+    return {kind: float(np.median(r)) if r else float("nan") for kind, r in ratios.items()}
+
+
 def metrics_of(result) -> dict[str, float]:
     return {"output_tok_s": result.output_throughput_tok_s, "ttft_p50": result.ttft.p50_ms,
             "ttft_p90": result.ttft.p90_ms, "tpot_p50": result.tpot.p50_ms, "tpot_p90": result.tpot.p90_ms}
 
 
 def measure(calibration: Path, rates: list[float] | None, num_requests: int):
-    """Probe the server's HTTP path and step times, then run the two levels: (results, rates,
-    HTTP delay, step costs, capacities). Without `rates`, 0.35 and 0.7 of the server's measured
-    capacity (so that "high" is the same real load from run to run; the simulated capacity is
-    reported next to it as one more error)."""
+    """Probe the server's HTTP path, then per level its step times right before the level runs
+    (a shared host's speed drifts over minutes), then the level: (results, rates, HTTP delay, step
+    costs per level, capacities, trace step ratios per level). Without `rates`, 0.35 and 0.7 of the
+    server's measured capacity (so that "high" is the same real load from run to run; the
+    simulated capacity is reported next to it as one more error)."""
     from shardserve.bench.client import run_benchmark
     from shardserve.bench.stats import LoadLevel
     from shardserve.server.process import free_port, server_process
@@ -234,9 +254,8 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
         http_delay_s = probe_http_delay_s(base_url)
         print(f"HTTP path outside the engine: {http_delay_s * 1e3:.2f} ms per request (client TTFT - server TTFT)",
               flush=True)
-        costs = probe_step_costs(base_url, calibration)
-        print(f"serving steps vs calibrated cost model: decode-only steps x{costs[0]:.3f}, "
-              f"steps with a prompt x{costs[1]:.3f}, plus {costs[2] * 1e3:.3f} ms per sequence", flush=True)
+        costs = probe_step_costs(base_url, calibration, seed=7)
+        print_costs("capacity", costs)
         # capacity: the rate a burst of CAPACITY_REQUESTS is served at, measured and simulated
         capacity = {"measured": measured_capacity_qps(base_url, CAPACITY_REQUESTS),
                     "simulated": predicted_capacity_qps(sim_config(calibration, 0.0, 0.0, costs), CAPACITY_REQUESTS)}
@@ -245,12 +264,20 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
         if rates is None:
             rates = [round(0.35 * capacity["measured"], 2), round(0.7 * capacity["measured"], 2)]
             print(f"levels {rates[0]} and {rates[1]} req/s", flush=True)
-        results = []
+        results, level_costs, step_ratios = [], [], []
         for i, rate in enumerate(rates):
+            level_costs.append(probe_step_costs(base_url, calibration, seed=8 + i))
+            print_costs(LEVEL_NAMES[i], level_costs[-1])
             specs = workload(rate, i, num_requests)
             results.append(asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, rate),
                                                      show_progress=False)))
-    return results, rates, http_delay_s, costs, capacity
+            step_ratios.append(trace_step_ratios(results[-1], specs, calibration, level_costs[-1]))
+    return results, rates, http_delay_s, level_costs, capacity, step_ratios
+
+
+def print_costs(label: str, costs: tuple[float, float, float]) -> None:
+    print(f"{label}: serving steps vs calibrated cost model: decode-only steps x{costs[0]:.3f}, "
+          f"steps with a prompt x{costs[1]:.3f}, plus {costs[2] * 1e3:.3f} ms per sequence", flush=True)
 
 
 def main() -> None:
@@ -272,12 +299,11 @@ def main() -> None:
         RESULTS.mkdir(exist_ok=True)
         saved.write_text(calibration.read_text())
     rates = [float(r) for r in args.rates.split(",")] if args.rates else None
-    names = ["low", "high"]
-
-    measured, rates, http_delay_s, costs, capacity = measure(saved, rates, args.num_requests)
-    config = sim_config(saved, http_delay_s / 2, http_delay_s / 2, costs)
-    plans = [(LoadLevel(None, rate), workload(rate, i, args.num_requests)) for i, rate in enumerate(rates)]
-    simulated = simulate(config, plans)
+    measured, rates, http_delay_s, level_costs, capacity, step_ratios = measure(saved, rates, args.num_requests)
+    # each level on its own simulated server, with the step costs probed just before it
+    simulated = [simulate(sim_config(saved, http_delay_s / 2, http_delay_s / 2, costs),
+                          [(LoadLevel(None, rate), workload(rate, i, args.num_requests))])[0]
+                 for i, (rate, costs) in enumerate(zip(rates, level_costs))]
 
     print("\n--- measured (shardserve serve + bench client) ---")
     print("\n".join(format_result(r) for r in measured))
@@ -285,17 +311,23 @@ def main() -> None:
     print("\n".join(format_result(r) for r in simulated))
     errors: dict[str, float] = {}
     print(f"\n{'level':<6}{'metric':<14}{'measured':>12}{'simulated':>12}{'rel. error':>12}")
-    for name, rate, real, sim in zip(names, rates, measured, simulated):
+    for name, rate, real, sim in zip(LEVEL_NAMES, rates, measured, simulated):
         real_m, sim_m = metrics_of(real), metrics_of(sim)
         for metric in METRICS:
             error = abs(sim_m[metric] - real_m[metric]) / real_m[metric]
             errors[f"{name}_{metric}_error"] = round(error, 4)
             print(f"{name:<6}{metric:<14}{real_m[metric]:>12.2f}{sim_m[metric]:>12.2f}{error:>12.1%}")
+    for name, ratios in zip(LEVEL_NAMES, step_ratios):
+        print(f"{name}: the trace's own steps, measured / step clock (median): decode-only x{ratios['decode']:.3f}, "
+              f"with a prompt x{ratios['prompt']:.3f}")
     values = list(errors.values())
     summary = {"median_error": round(float(np.median(values)), 4), "max_error": round(max(values), 4), **errors,
                "rates_qps": rates, "num_requests_per_level": args.num_requests,
-               "http_delay_ms": round(http_delay_s * 1e3, 3), "decode_step_scale": round(costs[0], 4),
-               "prompt_step_scale": round(costs[1], 4), "step_seq_ms": round(costs[2] * 1e3, 4),
+               "http_delay_ms": round(http_delay_s * 1e3, 3),
+               "step_costs": {name: {"decode_step_scale": round(c[0], 4), "prompt_step_scale": round(c[1], 4),
+                                     "step_seq_ms": round(c[2] * 1e3, 4)} for name, c in zip(LEVEL_NAMES, level_costs)},
+               "trace_step_ratios": {name: {k: round(v, 4) for k, v in r.items()}
+                                     for name, r in zip(LEVEL_NAMES, step_ratios)},
                "capacity_qps": {k: round(v, 3) for k, v in capacity.items()},
                "capacity_error": round(abs(capacity["simulated"] - capacity["measured"]) / capacity["measured"], 4),
                "calibration_mape": _calibration_mape(saved),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.engine.interface import SampledToken
+from shardserve.layers.cpu_kernels import load_argmax_rows
 from shardserve.request import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive (seed, position) pairs apart
@@ -45,6 +46,13 @@ def draw_uniform(seed: int, position: int) -> float:
     return ((x ^ (x >> 31)) >> 11) / 2.0**53
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1); on CPU a native vectorized scan (torch's is scalar: 0.44 ms of a
+    batch-32 step)."""
+    native = load_argmax_rows() if logits.device.type == "cpu" and logits.is_contiguous() else None
+    return native(logits) if native is not None and logits.dtype == torch.float32 else logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledToken]:
     """logits: [N, vocab] float32, row i for states[i]; each state's next token goes at
     position len(state.token_ids). Returns one SampledToken per row."""
@@ -54,7 +62,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledTok
         for row, state in enumerate(states):
             _apply_penalties(logits[row], state)
             _mask_early_stop(logits[row], state)
-    token_ids = logits.argmax(dim=-1)
+    token_ids = greedy_tokens(logits)
     random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
     if random_rows:
         index = torch.tensor(random_rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -22,6 +23,10 @@ def _load(name: str, fast_math: bool):
 
         # without fast math, also no fused multiply-adds: the exact ops round as torch's do
         flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else ["-ffp-contract=off"])
+        # torch rebuilds an extension when its source or flags change, not its headers: the
+        # headers' hash as a flag makes their changes count too
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))).hexdigest()[:16]
+        flags.append(f"-DSHARDSERVE_HEADERS={headers}")
         return load(name=f"shardserve_{name}", sources=[str(_CSRC / f"{name}.cpp")], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
@@ -57,3 +62,17 @@ def load_panel_linear(dtype):
     out_features)`), or None: no toolchain, or a CPU without the instructions for that dtype."""
     module = _load("panel_linear", False)
     return module if module is not None and module.supported(dtype) else None
+
+
+def load_silu_mul():
+    """`silu_mul(gate_up [..., 2d])` -> silu(gate) * up [..., d], rounded as the torch ops round
+    (its exp differs from torch's in the last float32 bit at most); or None."""
+    module = _load("fused_elementwise", False)
+    return None if module is None else module.silu_mul
+
+
+def load_argmax_rows():
+    """`argmax_rows(logits [N, V] float32 contiguous)` -> int64 [N], what torch.argmax(dim=-1)
+    gives (first index of the maximum, NaN the largest); or None."""
+    module = _load("argmax_rows", False)
+    return None if module is None else module.argmax_rows

@@ -46,8 +46,9 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.panel_kernel is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
-        rows = x.reshape(-1, x.shape[-1])
-        y = self.panel_kernel.linear(rows, self.data, bias, self.out_features)
+        if x.dim() == 2:
+            return self.panel_kernel.linear(x, self.data, bias, self.out_features)
+        y = self.panel_kernel.linear(x.reshape(-1, x.shape[-1]), self.data, bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 

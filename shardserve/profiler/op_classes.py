@@ -1,7 +1,7 @@
 """Attributes a torch.profiler trace of one engine step to op classes.
 
-    gemm         inside the linear layers, the LM head and the MoE experts (oneDNN / cuBLAS
-                 matmuls and the Python that calls them)
+    gemm         inside the linear layers, the LM head and the MoE experts (our panel kernel,
+                 oneDNN or cuBLAS matmuls and the Python that calls them)
     attention    inside the attention block, less its q/k/v and output projections: rotary,
                  the KV-cache write and the attention kernel (SDPA, or the native CPU decode
                  kernel, which is not a torch op and shows up as the block's own time)

@@ -1,14 +1,17 @@
 """The native CPU kernels against the torch code they replace, on the same paged cache."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shardserve.layers.attention import (AttentionMetadata, DecodeGroup, NativeDecode, gather_ids, paged_attention,
                                         write_kv)
-from shardserve.layers.cpu_kernels import load_paged_decode_attention, load_rotary_kv
+from shardserve.layers.cpu_kernels import load_argmax_rows, load_paged_decode_attention, load_rotary_kv, load_silu_mul
 from shardserve.layers.rotary import apply_rotary
 
 kernel = load_paged_decode_attention()
 rotary_kv = load_rotary_kv()
+silu_mul = load_silu_mul()
+argmax_rows = load_argmax_rows()
 
 
 @pytest.mark.skipif(kernel is None, reason="no C++ toolchain for the native kernel")
@@ -48,3 +51,37 @@ def test_rotary_kv_is_bit_identical_to_apply_rotary_plus_write_kv(dtype):
     q, k = rotary_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
     assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.skipif(silu_mul is None, reason="no C++ toolchain for the native kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_the_torch_ops(dtype):
+    """Rows of 2 x 40: the vector loop and its scalar tail; large |x| too (e^-|x| underflows)."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(2, 7, 80, dtype=torch.float32) * 4
+    gate_up[0, 0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = silu_mul(gate_up)
+    assert got.shape == expected.shape and got.dtype == dtype
+    # the exp differs from torch's in float32's last bit at most, which can move a bf16 rounding
+    # by one step now and then; everything else is the same arithmetic
+    torch.testing.assert_close(got, expected, rtol=1e-6 if dtype == torch.float32 else 2**-7, atol=1e-6)
+    if dtype == torch.bfloat16:
+        assert (got == expected).float().mean() > 0.98
+
+
+@pytest.mark.skipif(argmax_rows is None, reason="no C++ toolchain for the native kernel")
+def test_argmax_rows_answers_as_torch_argmax():
+    """Ties (the first wins), the maximum in the scalar tail, NaN, all -inf, signed zeros."""
+    torch.manual_seed(0)
+    logits = torch.randn(7, 1003)
+    logits[1, [5, 700]] = 50.0
+    logits[2, 1001] = 60.0
+    logits[3, [9, 400]] = float("nan")
+    logits[4] = float("-inf")
+    logits[5] = 0.0
+    logits[5, 0] = -0.0
+    logits[6, 17] = float("inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))

@@ -1,11 +1,15 @@
 // Fused elementwise ops for CPU steps, where each small torch op costs more to dispatch than to
-// compute: residual-add + RMSNorm, and rotary embedding + the KV-cache write. Each computes what
+// compute: residual-add + RMSNorm, rotary embedding + the KV-cache write, and SwiGLU's silu * up. Each computes what
 // the unfused torch code computes, row by row (so results do not depend on the batch), in float32
 // internally, rounding where the reference rounds.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include "vector_math.h"
+#endif
 
 namespace {
 
@@ -94,6 +98,52 @@ std::vector<torch::Tensor> rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch
   return {q_out, k_out};
 }
 
+// out = T(T(silu(gate)) * up) for the halves [gate | up] of each row of gate_up [rows, 2d], as
+// F.silu(gate) * up rounds. silu(x) = x * sigmoid(x), sigmoid from e^-|x| (no overflow either way).
+template <typename T>
+void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * d;
+      const T* up = gate + d;
+      T* o = out + r * d;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= d; i += 16) {
+        const __m512 x = load16(gate + i);
+        const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+        const __m512 e = exp_nonpositive(neg_abs);
+        const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv);
+        const __m512 silu = as_stored(T(), _mm512_mul_ps(x, sigmoid));
+        store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#endif
+      for (; i < d; ++i) {
+        const float x = to_float(gate[i]);
+        o[i] = round_to<T>(to_float(round_to<T>(x / (1.f + std::exp(-x)))) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "gate_up must be contiguous, of even width");
+  const int64_t d = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = d;
+  auto out = torch::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    silu_mul_impl<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, d);
+  } else if (gate_up.scalar_type() == torch::kBFloat16) {
+    silu_mul_impl<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, d);
+  } else {
+    TORCH_CHECK(false, "silu_mul supports float32 and bfloat16");
+  }
+  return out;
+}
+
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
   TORCH_CHECK(residual.is_contiguous() && weight.is_contiguous(), "inputs must be contiguous");
   const int64_t hidden = residual.size(-1), rows = residual.numel() / hidden;
@@ -120,4 +170,5 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; return rms_norm(residual)");
   m.def("rotary_kv", &rotary_kv, "rotate queries and keys, store keys and values in the paged cache");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over the halves of each row");
 }

@@ -30,6 +30,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;    // output columns per panel: two 16-lane registers
 constexpr int64_t kMaxRows = 12;  // rows of x per register block: 24 accumulators
+constexpr int64_t kMinThreadWork = 1 << 16;  // multiply-adds
 
 #if defined(__AVX512F__)
 // One block of R rows against one panel, in float32 sums. Per step of the k loop: two 64-byte
@@ -103,7 +104,10 @@ torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor& packed, co
   T* yd = y.data_ptr<T>();
   const int64_t ldx = x.size(1), panel_elems = ksteps * kw * kPanel;
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+  // Threads only where each gets enough work to repay waking it (and its spinning afterwards,
+  // which on a small host takes cores from the server's other threads): tiny layers run serially.
+  const int64_t grain = std::max<int64_t>(1, kMinThreadWork / std::max<int64_t>(1, m * kPanel * ksteps * kw));
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const T* w = wd + panel * panel_elems;
       const T* next = panel + 1 < end ? w + panel_elems : nullptr;
@@ -138,8 +142,11 @@ torch::Tensor pack(torch::Tensor weight) {
   const int64_t kw = weight.scalar_type() == torch::kBFloat16 ? 2 : 1;
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel, k_pad = (k + kw - 1) / kw * kw;
-  auto padded = torch::zeros({n_pad, k_pad}, weight.options());
-  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  auto padded = weight;  // a zero-padded copy only where needed: packing a large weight must not
+  if (n_pad != n || k_pad != k) {  // hold three copies of it at once
+    padded = torch::zeros({n_pad, k_pad}, weight.options());
+    padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  }
   return padded.view({n_pad / kPanel, kPanel, k_pad / kw, kw}).permute({0, 2, 1, 3}).contiguous();
 }
 
