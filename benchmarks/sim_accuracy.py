@@ -11,13 +11,15 @@
    predicts it too, and its error is reported; --rates overrides). Before the trace, a probe of
    sequential tiny requests measures the HTTP path: the client's TTFT minus the server's own (its
    Prometheus histogram) is the time a request spends outside the engine, split evenly between
-   the way in and the first token's way out. Then step probes (4 to 24 long streams, short
-   requests joining them) read the server's step times off the client's chunk times and fit them
-   against the calibrated cost model: a scale for decode-only steps, one for steps with a prompt,
-   and a cost per sequence in a step (streaming its token shares the cores with the engine).
-   These are the simulator's ServingOverheads; none of them is fitted to the trace. The step
-   probes run before the capacity burst and again right before each level (a shared host's
-   speed drifts by 10-20% over minutes), each with its own requests.
+   the way in and the first token's way out. Then step probes read the server's step times off
+   the client's chunk times and fit them against the calibrated cost model: a scale for
+   decode-only steps, one for steps with a prompt, and a cost per sequence in a step (streaming
+   its token shares the cores with the engine). These are the simulator's ServingOverheads; none
+   of them is fitted to the trace. For the capacity burst the probes are 4 to 24 long streams
+   with requests of the workload's lengths joining them; right before each level (a shared host's
+   speed drifts by 10-20% over minutes) a sample of 40 requests of the workload at the level's
+   rate, with its own seed and prompt salt, so that the fit covers the batch sizes and arrival
+   rate the level runs at; it fits the two scales, the per-sequence cost is the capacity probe's.
 3. Simulate each level with the calibrated cost model and the delays probed for it.
 4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
    |simulated - measured| / measured. As a diagnosis, also the median ratio of the trace's own
@@ -141,8 +143,10 @@ def probe_http_delay_s(base_url: str, num: int = 24) -> float:
     return max(0.0, result.ttft.mean_ms / 1e3 - server_ttft_s)
 
 
-STEP_PROBES = ((4, 128), (8, 192), (16, 96), (24, 288))  # (long streams, longest prompt that joins them)
-PROBE_ARRIVALS, PROBE_ARRIVAL_QPS = 12, 3.0  # short requests joining each probe (Poisson)
+STEP_PROBES = (4, 8, 16, 24)  # long streams per capacity probe
+# requests joining each capacity probe (Poisson)
+PROBE_ARRIVALS, PROBE_ARRIVAL_QPS = 12, 3.0
+LEVEL_PROBE_REQUESTS = 40  # the sample of the workload run before each level
 
 
 def server_steps(records, prompt_lens: dict[int, int]) -> list[tuple[float, int, int, list[tuple[int, int]]]]:
@@ -165,56 +169,93 @@ def server_steps(records, prompt_lens: dict[int, int]) -> list[tuple[float, int,
     return steps
 
 
-def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: list[tuple[int, float, float]]):
+def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: list[tuple[int, float, float]],
+                   per_seq_s: float | None = None):
     """(decode scale, prompt scale, seconds per sequence) with measured = scale * model + per_seq * n.
     decode_steps / prompt_steps: (sequences in the step, measured s, model s). Decode-only steps are
     grouped by n and each group's medians fitted (a stalled step on a shared host moves a median
     little); the prompt scale is then the median ratio over prompt steps, the per-sequence part
-    taken off (a few dozen steps: a median, so that one stalled step does not set it)."""
+    taken off (a few dozen steps: a median, so that one stalled step does not set it). With
+    `per_seq_s` given, only the scales are fitted."""
     groups: dict[int, list[tuple[float, float]]] = {}
     for n, measured_s, model_s in decode_steps:
         groups.setdefault(n, []).append((measured_s, model_s))
     rows = [(n, float(np.median([m for m, _ in g])), float(np.median([c for _, c in g])), len(g))
             for n, g in sorted(groups.items()) if len(g) >= 5]
-    weights = np.sqrt([count for *_, count in rows])
-    design = np.array([[model, n] for n, _, model, _ in rows]) * weights[:, None]
-    (decode_scale, per_seq_s), *_ = np.linalg.lstsq(design, np.array([m for _, m, _, _ in rows]) * weights, rcond=None)
-    if per_seq_s < 0:  # no growth with the batch: a scale alone
-        per_seq_s = 0.0
-        decode_scale = sum(m for _, m, _, _ in rows) / sum(c for _, _, c, _ in rows)
+    weights = np.array([count for *_, count in rows], dtype=float)
+    model = np.array([c for _, _, c, _ in rows])
+    measured = np.array([m for _, m, _, _ in rows])
+    sizes = np.array([n for n, *_ in rows], dtype=float)
+    decode_scale = None
+    if per_seq_s is None and len(rows) >= 3:
+        design = np.stack([model, sizes], axis=1) * np.sqrt(weights)[:, None]
+        (decode_scale, per_seq_s), *_ = np.linalg.lstsq(design, measured * np.sqrt(weights), rcond=None)
+    if per_seq_s is None or per_seq_s < 0:  # too few batch sizes to tell, or no growth with the batch
+        per_seq_s, decode_scale = 0.0, None
+    if decode_scale is None:  # the scale alone, over what the per-sequence cost leaves
+        decode_scale = np.sum(weights * model * (measured - per_seq_s * sizes)) / np.sum(weights * model**2)
     prompt_scale = float(np.median([(m - per_seq_s * n) / c for n, m, c in prompt_steps]))
     return float(decode_scale), float(prompt_scale), float(per_seq_s)
 
 
 def probe_step_costs(base_url: str, calibration: Path, seed: int) -> tuple[float, float, float]:
-    """How the server's steps differ from the calibrated cost model: fit_step_costs over every step
-    the client can see (server_steps) while each probe streams `decodes` requests (32-token prompts,
-    150 tokens out) and meanwhile sends short requests (prompts of prompt/2..prompt tokens, 8-48
-    out) as a Poisson stream. Its own seed: none of these requests is in the trace."""
-    from shardserve.bench.client import run_benchmark
-    from shardserve.bench.stats import LoadLevel
-    from shardserve.sim.step_clock import StepClock
+    """The step costs at the capacity burst's batch sizes: fit_step_costs over every step the
+    client can see (server_steps) while each probe streams 4-24 requests (32-token prompts, 150
+    tokens out) and meanwhile sends requests of the workload's length ranges as a Poisson stream.
+    Its own seed: none of these requests is in the trace."""
     from shardserve.sim.workload import RequestSpec
 
-    config = sim_config(calibration, 0.0, 0.0)
-    clock = StepClock(config.deployment, config.setup.max_model_len)
     rng = np.random.default_rng(seed)
-    decode_steps, prompt_steps = [], []
-    for num_decodes, prompt_len in STEP_PROBES:
+    ratio = WORKLOAD["range_ratio"]
+    prompt_range = [round(WORKLOAD["input_len"] * (1 - ratio)), round(WORKLOAD["input_len"] * (1 + ratio)) + 1]
+    output_range = [round(WORKLOAD["output_len"] * (1 - ratio)), round(WORKLOAD["output_len"] * (1 + ratio)) + 1]
+    runs = []
+    for num_decodes in STEP_PROBES:
         specs = [RequestSpec(tuple(rng.integers(100, 40000, size=32).tolist()), None, 150, 0.0)
                  for _ in range(num_decodes)]
         # requests come and go meanwhile, as in any served load: their HTTP work shares the cores too
         arrivals_s = np.cumsum(rng.exponential(1 / PROBE_ARRIVAL_QPS, size=PROBE_ARRIVALS))
         for arrival_s in arrivals_s:
-            size = int(rng.integers(prompt_len // 2, prompt_len + 1))
+            size = int(rng.integers(*prompt_range))
             specs.append(RequestSpec(tuple(rng.integers(100, 40000, size=size).tolist()), None,
-                                     int(rng.integers(8, 49)), float(arrival_s)))
+                                     int(rng.integers(*output_range)), float(arrival_s)))
+        runs.append(specs)
+    return fit_probe_runs(base_url, calibration, runs)
+
+
+def probe_level_costs(base_url: str, calibration: Path, rate_qps: float, level_index: int,
+                      per_seq_s: float) -> tuple[float, float, float]:
+    """The step scales for one level, probed right before it: a sample of LEVEL_PROBE_REQUESTS
+    requests of the workload at the level's rate (so at its batch sizes, prompt lengths and
+    arrival rate: fitted on 4-24 streams alone, the step time missed the levels' small batches
+    by up to 30%). The per-sequence cost comes from the wide capacity probe: over the few batch
+    sizes of one level it cannot be told from the scale. Its own seed and prompt salt: none of
+    these requests is in the trace."""
+    from shardserve.sim.workload import WorkloadConfig, build_workload
+
+    specs = build_workload(WorkloadConfig(num_requests=LEVEL_PROBE_REQUESTS, request_rate_qps=rate_qps,
+                                          prompt_salt=20 + level_index, seed=100 + level_index, **WORKLOAD))
+    return fit_probe_runs(base_url, calibration, [specs], per_seq_s)
+
+
+def fit_probe_runs(base_url: str, calibration: Path, runs: list,
+                   per_seq_s: float | None = None) -> tuple[float, float, float]:
+    """Send each run's requests (arrival times as given), read every step off the chunk times and
+    fit them against the calibrated cost model (fit_step_costs)."""
+    from shardserve.bench.client import run_benchmark
+    from shardserve.bench.stats import LoadLevel
+    from shardserve.sim.step_clock import StepClock
+
+    config = sim_config(calibration, 0.0, 0.0)
+    clock = StepClock(config.deployment, config.setup.max_model_len)
+    decode_steps, prompt_steps = [], []
+    for specs in runs:
         result = asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, None), show_progress=False))
         prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
         for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
             row = (decodes + len(prompts), duration_s, clock.step_s(decodes, context_sum, prompts))
             (prompt_steps if prompts else decode_steps).append(row)
-    return fit_step_costs(decode_steps, prompt_steps)
+    return fit_step_costs(decode_steps, prompt_steps, per_seq_s)
 
 
 def trace_step_ratios(result, specs, calibration: Path, costs: tuple[float, float, float]) -> dict[str, float]:
@@ -266,7 +307,7 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
             print(f"levels {rates[0]} and {rates[1]} req/s", flush=True)
         results, level_costs, step_ratios = [], [], []
         for i, rate in enumerate(rates):
-            level_costs.append(probe_step_costs(base_url, calibration, seed=8 + i))
+            level_costs.append(probe_level_costs(base_url, calibration, rate, i, per_seq_s=costs[2]))
             print_costs(LEVEL_NAMES[i], level_costs[-1])
             specs = workload(rate, i, num_requests)
             results.append(asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, rate),
