@@ -56,7 +56,6 @@ def load_rotary_kv():
     return None if module is None else module.rotary_kv
 
 
-
 def load_panel_linear(dtype):
     """The panel linear kernel module for `dtype` (`pack(weight)`, `linear(x, packed, bias,
     out_features)`), or None: no toolchain, or a CPU without the instructions for that dtype."""

@@ -4,6 +4,7 @@
 // for a batch of 32, a tenth of that here.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -43,7 +44,8 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  // threads only for enough rows to repay waking them (a tiny model's rows run serially)
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, n)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * n, n);
   });
   return out;

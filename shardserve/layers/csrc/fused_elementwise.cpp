@@ -1,7 +1,7 @@
 // Fused elementwise ops for CPU steps, where each small torch op costs more to dispatch than to
-// compute: residual-add + RMSNorm, rotary embedding + the KV-cache write, and SwiGLU's silu * up. Each computes what
-// the unfused torch code computes, row by row (so results do not depend on the batch), in float32
-// internally, rounding where the reference rounds.
+// compute: residual-add + RMSNorm, rotary embedding + the KV-cache write, and SwiGLU's silu * up.
+// Each computes what the unfused torch code computes, row by row (so results do not depend on the
+// batch), in float32 internally, rounding where the reference rounds.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -102,7 +102,8 @@ std::vector<torch::Tensor> rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch
 // F.silu(gate) * up rounds. silu(x) = x * sigmoid(x), sigmoid from e^-|x| (no overflow either way).
 template <typename T>
 void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t d) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+  // threads only for enough rows to repay waking them (a tiny model's rows run serially)
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gate_up + r * 2 * d;
       const T* up = gate + d;
