@@ -198,14 +198,14 @@ def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: l
     return float(decode_scale), float(prompt_scale), float(per_seq_s)
 
 
-def probe_step_costs(base_url: str, calibration: Path, seed: int) -> tuple[float, float, float]:
+def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, float]:
     """The step costs at the capacity burst's batch sizes: fit_step_costs over every step the
     client can see (server_steps) while each probe streams 4-24 requests (32-token prompts, 150
     tokens out) and meanwhile sends requests of the workload's length ranges as a Poisson stream.
     Its own seed: none of these requests is in the trace."""
     from shardserve.sim.workload import RequestSpec
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(7)
     ratio = WORKLOAD["range_ratio"]
     prompt_range = [round(WORKLOAD["input_len"] * (1 - ratio)), round(WORKLOAD["input_len"] * (1 + ratio)) + 1]
     output_range = [round(WORKLOAD["output_len"] * (1 - ratio)), round(WORKLOAD["output_len"] * (1 + ratio)) + 1]
@@ -295,7 +295,7 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
         http_delay_s = probe_http_delay_s(base_url)
         print(f"HTTP path outside the engine: {http_delay_s * 1e3:.2f} ms per request (client TTFT - server TTFT)",
               flush=True)
-        costs = probe_step_costs(base_url, calibration, seed=7)
+        costs = probe_step_costs(base_url, calibration)
         print_costs("capacity", costs)
         # capacity: the rate a burst of CAPACITY_REQUESTS is served at, measured and simulated
         capacity = {"measured": measured_capacity_qps(base_url, CAPACITY_REQUESTS),

@@ -252,10 +252,10 @@ def measure_this_host(dtype: str = "bfloat16", device: str | None = None, matmul
     b = torch.randn(size, size, device=device).to(torch_dtype)
     flop_s = 2 * size**3 / best_time_s(lambda: torch.mm(a, b))
     if device == "cpu":
-        # The engine's linears run on prepacked weights (oneDNN's layout; in bfloat16 with
-        # AVX512-BF16 our own kernel), up to 2.4x faster than torch.mm's path (470 vs 200 GFLOP/s
-        # in float32 on the 2-core dev VM): time that path too, or the "peak" sits below what
-        # the engine reaches.
+        # The engine's linears run on prepacked weights (our panel kernel on AVX-512 CPUs, else
+        # oneDNN's layout), up to 2.4x faster than torch.mm's path (470 vs 200 GFLOP/s in float32
+        # on the 2-core dev VM): time that path too, or the "peak" sits below what the engine
+        # reaches.
         from shardserve.layers.linear import prepack_weight
 
         packed = prepack_weight(b)
