@@ -1,4 +1,7 @@
 """Prepacked linear weights (our panel kernel, oneDNN's layout) against a float64 matmul."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -65,3 +68,31 @@ def test_linear_gives_the_same_result_before_and_after_prepack(dtype):
     after = layer(x)
     assert after.shape == (2, 5, 48)
     torch.testing.assert_close(after.double(), reference(x, weight, bias), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [DTYPES[1]])
+def test_panel_kernel_lets_other_python_threads_run(dtype):
+    """A server runs the engine in a thread beside its HTTP event loop: while a product runs, that
+    loop must still get the GIL. Counts another thread's iterations inside the calls' spans;
+    holding the GIL for a whole call leaves none there."""
+    torch.manual_seed(3)
+    packed = prepack_weight(torch.randn(8192, 2048, dtype=dtype))
+    x = torch.randn(256, 2048, dtype=dtype)
+    spans, done = [], threading.Event()
+
+    def products():
+        for _ in range(8):
+            start = time.perf_counter()
+            packed.linear(x, None)
+            spans.append((start, time.perf_counter()))
+        done.set()
+
+    ticks = []
+    worker = threading.Thread(target=products)
+    worker.start()
+    while not done.is_set():
+        ticks.append(time.perf_counter())
+        time.sleep(0.0002)
+    worker.join()
+    inside = sum(start < t < end for t in ticks for start, end in spans)
+    assert inside >= 50, f"{inside} ticks during {sum(e - s for s, e in spans) * 1e3:.0f} ms of products"

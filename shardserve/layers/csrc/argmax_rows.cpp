@@ -51,6 +51,8 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// Each kernel lets go of the GIL: a server runs the engine in a thread beside its HTTP event loop.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for contiguous 2-D float32");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for contiguous 2-D float32",
+        py::call_guard<py::gil_scoped_release>());
 }

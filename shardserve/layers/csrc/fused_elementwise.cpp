@@ -168,8 +168,12 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
   return out;
 }
 
+// Each kernel lets go of the GIL: a server runs the engine in a thread beside its HTTP event loop.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; return rms_norm(residual)");
-  m.def("rotary_kv", &rotary_kv, "rotate queries and keys, store keys and values in the paged cache");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over the halves of each row");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; return rms_norm(residual)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_kv", &rotary_kv, "rotate queries and keys, store keys and values in the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over the halves of each row",
+        py::call_guard<py::gil_scoped_release>());
 }

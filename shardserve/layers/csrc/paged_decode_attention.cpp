@@ -284,6 +284,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// Each kernel lets go of the GIL: a server runs the engine in a thread beside its HTTP event loop.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -175,8 +175,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(false, "linear: this build has no kernel for this dtype");
 }
 
+// Each kernel lets go of the GIL: a server runs the engine in a thread beside its HTTP event loop.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this build has a kernel for the dtype");
-  m.def("pack", &pack, "repack a weight [N, K] into the kernel's panels");
-  m.def("linear", &linear, "y = x W^T (+ bias) from packed panels, float32 sums");
+  m.def("pack", &pack, "repack a weight [N, K] into the kernel's panels",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, "y = x W^T (+ bias) from packed panels, float32 sums",
+        py::call_guard<py::gil_scoped_release>());
 }
