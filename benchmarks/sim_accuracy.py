@@ -16,10 +16,11 @@
    decode-only steps, one for steps with a prompt, and a cost per sequence in a step (streaming
    its token shares the cores with the engine). These are the simulator's ServingOverheads; none
    of them is fitted to the trace. For the capacity burst the probes are 4 to 24 long streams
-   with requests of the workload's lengths joining them; right before each level (a shared host's
-   speed drifts by 10-20% over minutes) a sample of 40 requests of the workload at the level's
-   rate, with its own seed and prompt salt, so that the fit covers the batch sizes and arrival
-   rate the level runs at; it fits the two scales, the per-sequence cost is the capacity probe's.
+   with requests of the workload's lengths joining them; for each level a sample of 40 requests
+   of the workload at the level's rate, with its own seed and prompt salt, right before the level
+   and another right after it (a shared host's speed drifts by 10-20% within a minute: the two
+   bracket the level), so that the fit covers the batch sizes and arrival rate the level runs
+   at; it fits the two scales, the per-sequence cost is the capacity probe's.
 3. Simulate each level with the calibrated cost model and the delays probed for it.
 4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
    |simulated - measured| / measured. As a diagnosis, also the median ratio of the trace's own
@@ -146,7 +147,7 @@ def probe_http_delay_s(base_url: str, num: int = 24) -> float:
 STEP_PROBES = (4, 8, 16, 24)  # long streams per capacity probe
 # requests joining each capacity probe (Poisson)
 PROBE_ARRIVALS, PROBE_ARRIVAL_QPS = 12, 3.0
-LEVEL_PROBE_REQUESTS = 40  # the sample of the workload run before each level
+LEVEL_PROBE_REQUESTS = 40  # each sample of the workload run before and after a level
 
 
 def server_steps(records, prompt_lens: dict[int, int]) -> list[tuple[float, int, int, list[tuple[int, int]]]]:
@@ -173,14 +174,16 @@ def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: l
                    per_seq_s: float | None = None):
     """(decode scale, prompt scale, seconds per sequence) with measured = scale * model + per_seq * n.
     decode_steps / prompt_steps: (sequences in the step, measured s, model s). Decode-only steps are
-    grouped by n and each group's medians fitted (a stalled step on a shared host moves a median
-    little); the prompt scale is then the median ratio over prompt steps, the per-sequence part
-    taken off (a few dozen steps: a median, so that one stalled step does not set it). With
-    `per_seq_s` given, only the scales are fitted."""
+    grouped by n and each group's means fitted: a request's time per output token sums its steps,
+    the host's stalls included (fitted to medians, the simulator missed that tail and put TPOT
+    5-15% low). A decode-only step's time is all engine time; a step with a prompt may start on an
+    idle server, and the time read off the chunks then holds the idle wait: so the prompt scale is
+    the median ratio over prompt steps, the per-sequence part taken off. With `per_seq_s` given,
+    only the scales are fitted."""
     groups: dict[int, list[tuple[float, float]]] = {}
     for n, measured_s, model_s in decode_steps:
         groups.setdefault(n, []).append((measured_s, model_s))
-    rows = [(n, float(np.median([m for m, _ in g])), float(np.median([c for _, c in g])), len(g))
+    rows = [(n, float(np.mean([m for m, _ in g])), float(np.mean([c for _, c in g])), len(g))
             for n, g in sorted(groups.items()) if len(g) >= 5]
     weights = np.array([count for *_, count in rows], dtype=float)
     model = np.array([c for _, _, c, _ in rows])
@@ -220,57 +223,69 @@ def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, fl
             specs.append(RequestSpec(tuple(rng.integers(100, 40000, size=size).tolist()), None,
                                      int(rng.integers(*output_range)), float(arrival_s)))
         runs.append(specs)
-    return fit_probe_runs(base_url, calibration, runs)
+    clock = model_clock(calibration)
+    decode_steps, prompt_steps = [], []
+    for specs in runs:
+        decodes, prompts = probe_steps(base_url, clock, specs)
+        decode_steps += decodes
+        prompt_steps += prompts
+    return fit_step_costs(decode_steps, prompt_steps)
 
 
-def probe_level_costs(base_url: str, calibration: Path, rate_qps: float, level_index: int,
-                      per_seq_s: float) -> tuple[float, float, float]:
-    """The step scales for one level, probed right before it: a sample of LEVEL_PROBE_REQUESTS
-    requests of the workload at the level's rate (so at its batch sizes, prompt lengths and
-    arrival rate: fitted on 4-24 streams alone, the step time missed the levels' small batches
-    by up to 30%). The per-sequence cost comes from the wide capacity probe: over the few batch
-    sizes of one level it cannot be told from the scale. Its own seed and prompt salt: none of
-    these requests is in the trace."""
+def level_probe(rate_qps: float, level_index: int, after: bool):
+    """A sample of LEVEL_PROBE_REQUESTS requests of the workload at a level's rate, sent right
+    before the level and again right after it (so at its batch sizes, prompt lengths and arrival
+    rate: fitted on 4-24 streams alone, the step time missed the levels' small batches by up to
+    30%; and the two together span the host's drift over the level, 10-20% within a minute on
+    this shared host). Its own seed and prompt salt: none of these requests is in the trace."""
     from shardserve.sim.workload import WorkloadConfig, build_workload
 
-    specs = build_workload(WorkloadConfig(num_requests=LEVEL_PROBE_REQUESTS, request_rate_qps=rate_qps,
-                                          prompt_salt=20 + level_index, seed=100 + level_index, **WORKLOAD))
-    return fit_probe_runs(base_url, calibration, [specs], per_seq_s)
+    tag = 10 * level_index + int(after)
+    return build_workload(WorkloadConfig(num_requests=LEVEL_PROBE_REQUESTS, request_rate_qps=rate_qps,
+                                         prompt_salt=20 + tag, seed=100 + tag, **WORKLOAD))
 
 
-def fit_probe_runs(base_url: str, calibration: Path, runs: list,
-                   per_seq_s: float | None = None) -> tuple[float, float, float]:
-    """Send each run's requests (arrival times as given), read every step off the chunk times and
-    fit them against the calibrated cost model (fit_step_costs)."""
+def probe_steps(base_url: str, clock, specs) -> tuple[list, list]:
+    """Send the requests (arrival times as given) and read every step off their chunk times:
+    (decode-only steps, steps with a prompt), each (sequences in the step, measured s, model s)
+    as fit_step_costs takes them."""
     from shardserve.bench.client import run_benchmark
     from shardserve.bench.stats import LoadLevel
+
+    result = asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, None), show_progress=False))
+    prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
+    decode_steps, prompt_steps = [], []
+    for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
+        row = (decodes + len(prompts), duration_s, clock.step_s(decodes, context_sum, prompts))
+        (prompt_steps if prompts else decode_steps).append(row)
+    return decode_steps, prompt_steps
+
+
+def model_clock(calibration: Path):
+    """The calibrated cost model's step clock, without serving's scales."""
     from shardserve.sim.step_clock import StepClock
 
     config = sim_config(calibration, 0.0, 0.0)
-    clock = StepClock(config.deployment, config.setup.max_model_len)
-    decode_steps, prompt_steps = [], []
-    for specs in runs:
-        result = asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, None), show_progress=False))
-        prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
-        for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
-            row = (decodes + len(prompts), duration_s, clock.step_s(decodes, context_sum, prompts))
-            (prompt_steps if prompts else decode_steps).append(row)
-    return fit_step_costs(decode_steps, prompt_steps, per_seq_s)
+    return StepClock(config.deployment, config.setup.max_model_len)
 
 
 def trace_step_ratios(result, specs, calibration: Path, costs: tuple[float, float, float]) -> dict[str, float]:
-    """Diagnosis only (nothing is fitted to it): the median of measured / predicted step time over
-    the trace's own steps, as read off its chunk times, for decode-only steps and steps with a
-    prompt; the predictions are the step clock the simulator runs on."""
+    """Diagnosis only (nothing is fitted to it): measured / predicted step time over the trace's own
+    steps, as read off its chunk times, as the fit takes them: the total time of decode-only steps,
+    the median ratio of steps with a prompt; the predictions are the step clock the simulator runs on."""
     from shardserve.sim.step_clock import StepClock
 
     config = sim_config(calibration, 0.0, 0.0, costs)
     clock = StepClock(config.deployment, config.setup.max_model_len, *costs)
     prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
-    ratios: dict[str, list[float]] = {"decode": [], "prompt": []}
+    decode, prompt = np.zeros(2), []
     for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
-        ratios["prompt" if prompts else "decode"].append(duration_s / clock.step_s(decodes, context_sum, prompts))
-    return {kind: float(np.median(r)) if r else float("nan") for kind, r in ratios.items()}
+        predicted_s = clock.step_s(decodes, context_sum, prompts)
+        if prompts:
+            prompt.append(duration_s / predicted_s)
+        else:
+            decode += (duration_s, predicted_s)
+    return {"decode": float(decode[0] / decode[1]), "prompt": float(np.median(prompt))}
 
 
 def metrics_of(result) -> dict[str, float]:
@@ -279,11 +294,11 @@ def metrics_of(result) -> dict[str, float]:
 
 
 def measure(calibration: Path, rates: list[float] | None, num_requests: int):
-    """Probe the server's HTTP path, then per level its step times right before the level runs
-    (a shared host's speed drifts over minutes), then the level: (results, rates, HTTP delay, step
-    costs per level, capacities, trace step ratios per level). Without `rates`, 0.35 and 0.7 of the
-    server's measured capacity (so that "high" is the same real load from run to run; the
-    simulated capacity is reported next to it as one more error)."""
+    """Probe the server's HTTP path, then per level its step times right before and right after
+    the level runs (a shared host's speed drifts within a minute), and the level itself:
+    (results, rates, HTTP delay, step costs per level, capacities, trace step ratios per level).
+    Without `rates`, 0.35 and 0.7 of the server's measured capacity (so that "high" is the same
+    real load from run to run; the simulated capacity is reported next to it as one more error)."""
     from shardserve.bench.client import run_benchmark
     from shardserve.bench.stats import LoadLevel
     from shardserve.server.process import free_port, server_process
@@ -306,12 +321,19 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
             rates = [round(0.35 * capacity["measured"], 2), round(0.7 * capacity["measured"], 2)]
             print(f"levels {rates[0]} and {rates[1]} req/s", flush=True)
         results, level_costs, step_ratios = [], [], []
+        clock = model_clock(calibration)
         for i, rate in enumerate(rates):
-            level_costs.append(probe_level_costs(base_url, calibration, rate, i, per_seq_s=costs[2]))
-            print_costs(LEVEL_NAMES[i], level_costs[-1])
+            before = probe_steps(base_url, clock, level_probe(rate, i, after=False))
             specs = workload(rate, i, num_requests)
             results.append(asyncio.run(run_benchmark(base_url, specs, None, level=LoadLevel(None, rate),
                                                      show_progress=False)))
+            after = probe_steps(base_url, clock, level_probe(rate, i, after=True))
+            for label, (decodes, prompts) in (("before", before), ("after", after)):
+                print_costs(f"{LEVEL_NAMES[i]}, probed {label}", fit_step_costs(decodes, prompts, costs[2]))
+            # the per-sequence cost is the wide capacity probe's: over one level's few batch sizes
+            # it cannot be told from the scale
+            level_costs.append(fit_step_costs(before[0] + after[0], before[1] + after[1], costs[2]))
+            print_costs(LEVEL_NAMES[i], level_costs[-1])
             step_ratios.append(trace_step_ratios(results[-1], specs, calibration, level_costs[-1]))
     return results, rates, http_delay_s, level_costs, capacity, step_ratios
 
@@ -359,8 +381,8 @@ def main() -> None:
             errors[f"{name}_{metric}_error"] = round(error, 4)
             print(f"{name:<6}{metric:<14}{real_m[metric]:>12.2f}{sim_m[metric]:>12.2f}{error:>12.1%}")
     for name, ratios in zip(LEVEL_NAMES, step_ratios):
-        print(f"{name}: the trace's own steps, measured / step clock (median): decode-only x{ratios['decode']:.3f}, "
-              f"with a prompt x{ratios['prompt']:.3f}")
+        print(f"{name}: the trace's own steps, measured / step clock: decode-only x{ratios['decode']:.3f} (total "
+              f"time), with a prompt x{ratios['prompt']:.3f} (median)")
     values = list(errors.values())
     summary = {"median_error": round(float(np.median(values)), 4), "max_error": round(max(values), 4), **errors,
                "rates_qps": rates, "num_requests_per_level": args.num_requests,
