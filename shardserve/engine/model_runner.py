@@ -11,7 +11,7 @@ from shardserve.engine.interface import ModelRunnerOutput, SampledToken, Schedul
 from shardserve.engine.kv_cache import KVCache
 from shardserve.engine.sampler import SamplingState, sample
 from shardserve.layers.attention import AttentionMetadata, DecodeGroup, NativeDecode, PrefillChunk, gather_ids, split_by_length
-from shardserve.layers.cpu_kernels import load_paged_decode_attention
+from shardserve.layers.cpu_kernels import load_argmax_rows, load_paged_decode_attention, load_silu_mul
 
 
 @dataclass
@@ -33,6 +33,9 @@ class ModelRunner:
         self.device = device
         self.states: dict[str, SamplingState] = {}
         self.native_decode_kernel = load_paged_decode_attention() if device.type == "cpu" else None
+        if device.type == "cpu":  # compiled now (then cached on disk), not while a first request waits
+            load_silu_mul()
+            load_argmax_rows()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
