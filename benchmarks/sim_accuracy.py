@@ -23,8 +23,9 @@
    at; it fits the two scales, the per-sequence cost is the capacity probe's.
 3. Simulate each level with the calibrated cost model and the delays probed for it.
 4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
-   |simulated - measured| / measured. As a diagnosis, also the median ratio of the trace's own
-   step times (read off its chunk times) to the step clock's, for decode-only and prompt steps.
+   |simulated - measured| / measured. As a diagnosis, also the ratio of the trace's own step
+   times (read off its chunk times) to the step clock's: over the total time of decode-only steps,
+   and the median over steps with a prompt.
 
 Run
     .venv/bin/python benchmarks/sim_accuracy.py [--calibration FILE] [--num-requests N] [--rates R1,R2]
@@ -176,7 +177,7 @@ def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: l
     decode_steps / prompt_steps: (sequences in the step, measured s, model s). Decode-only steps are
     grouped by n and each group's means fitted: a request's time per output token sums its steps,
     the host's stalls included (fitted to medians, the simulator missed that tail and put TPOT
-    5-15% low). A decode-only step's time is all engine time; a step with a prompt may start on an
+    p50 up to 12% low). A decode-only step's time is all engine time; a step with a prompt may start on an
     idle server, and the time read off the chunks then holds the idle wait: so the prompt scale is
     the median ratio over prompt steps, the per-sequence part taken off. With `per_seq_s` given,
     only the scales are fitted."""
@@ -201,7 +202,7 @@ def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: l
     return float(decode_scale), float(prompt_scale), float(per_seq_s)
 
 
-def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, float]:
+def probe_step_costs(base_url: str, clock) -> tuple[float, float, float]:
     """The step costs at the capacity burst's batch sizes: fit_step_costs over every step the
     client can see (server_steps) while each probe streams 4-24 requests (32-token prompts, 150
     tokens out) and meanwhile sends requests of the workload's length ranges as a Poisson stream.
@@ -223,7 +224,6 @@ def probe_step_costs(base_url: str, calibration: Path) -> tuple[float, float, fl
             specs.append(RequestSpec(tuple(rng.integers(100, 40000, size=size).tolist()), None,
                                      int(rng.integers(*output_range)), float(arrival_s)))
         runs.append(specs)
-    clock = model_clock(calibration)
     decode_steps, prompt_steps = [], []
     for specs in runs:
         decodes, prompts = probe_steps(base_url, clock, specs)
@@ -310,7 +310,8 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
         http_delay_s = probe_http_delay_s(base_url)
         print(f"HTTP path outside the engine: {http_delay_s * 1e3:.2f} ms per request (client TTFT - server TTFT)",
               flush=True)
-        costs = probe_step_costs(base_url, calibration)
+        clock = model_clock(calibration)
+        costs = probe_step_costs(base_url, clock)
         print_costs("capacity", costs)
         # capacity: the rate a burst of CAPACITY_REQUESTS is served at, measured and simulated
         capacity = {"measured": measured_capacity_qps(base_url, CAPACITY_REQUESTS),
@@ -321,7 +322,6 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
             rates = [round(0.35 * capacity["measured"], 2), round(0.7 * capacity["measured"], 2)]
             print(f"levels {rates[0]} and {rates[1]} req/s", flush=True)
         results, level_costs, step_ratios = [], [], []
-        clock = model_clock(calibration)
         for i, rate in enumerate(rates):
             before = probe_steps(base_url, clock, level_probe(rate, i, after=False))
             specs = workload(rate, i, num_requests)
