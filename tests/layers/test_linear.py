@@ -73,8 +73,9 @@ def test_linear_gives_the_same_result_before_and_after_prepack(dtype):
 @pytest.mark.parametrize("dtype", [DTYPES[1]])
 def test_panel_kernel_lets_other_python_threads_run(dtype):
     """A server runs the engine in a thread beside its HTTP event loop: while a product runs, that
-    loop must still get the GIL. Counts another thread's iterations inside the calls' spans;
-    holding the GIL for a whole call leaves none there."""
+    loop must still get the GIL. Counts another thread's iterations inside the calls' spans:
+    holding the GIL for a whole call left only a few at the spans' edges (7 in 86 ms; 279 with it
+    released)."""
     torch.manual_seed(3)
     packed = prepack_weight(torch.randn(8192, 2048, dtype=dtype))
     x = torch.randn(256, 2048, dtype=dtype)
