@@ -261,22 +261,19 @@ def probe_steps(base_url: str, clock, specs) -> tuple[list, list]:
     return decode_steps, prompt_steps
 
 
-def model_clock(calibration: Path):
-    """The calibrated cost model's step clock, without serving's scales."""
+def model_clock(calibration: Path, costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
+    """The calibrated cost model's step clock, with serving's step costs (none by default)."""
     from shardserve.sim.step_clock import StepClock
 
     config = sim_config(calibration, 0.0, 0.0)
-    return StepClock(config.deployment, config.setup.max_model_len)
+    return StepClock(config.deployment, config.setup.max_model_len, *costs)
 
 
 def trace_step_ratios(result, specs, calibration: Path, costs: tuple[float, float, float]) -> dict[str, float]:
     """Diagnosis only (nothing is fitted to it): measured / predicted step time over the trace's own
     steps, as read off its chunk times, as the fit takes them: the total time of decode-only steps,
     the median ratio of steps with a prompt; the predictions are the step clock the simulator runs on."""
-    from shardserve.sim.step_clock import StepClock
-
-    config = sim_config(calibration, 0.0, 0.0, costs)
-    clock = StepClock(config.deployment, config.setup.max_model_len, *costs)
+    clock = model_clock(calibration, costs)
     prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
     decode, prompt = np.zeros(2), []
     for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
