@@ -21,11 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shardserve.config import RouterConfig
-from shardserve.router.forwarding import Forwarder, RouterError
+from shardserve.router.admission import RouterError
+from shardserve.router.forwarding import Forwarder
 from shardserve.router.health import HealthMonitor
+from shardserve.router.lease import Lease
 from shardserve.router.metrics import RouterMetrics
 from shardserve.router.policies import make_policy
 from shardserve.router.replica_pool import ReplicaPool
+from shardserve.router.stream_relay import StreamRelay
 from shardserve.server.protocol import error_body
 
 
@@ -82,21 +85,19 @@ def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
         forwarder.admit(body)
         body = forwarder.prepare(body)
         prefix = _prompt_prefix(body, config.prefix_chars)
-        interactive = body.get("request_class") != "batch"
-        forwarder.num_interactive += interactive
-        streaming = False
+        interactive = forwarder.lease_interactive(body)  # None for batch work
         try:
             if body.get("stream"):
                 status, result = await forwarder.open_stream(kind, path, body, prefix, received_at)
                 if status != 200:
                     return JSONResponse(result, status_code=status)
-                streaming = True
-                return StreamingResponse(_counted(result, forwarder, interactive), media_type="text/event-stream")
+                response, interactive = EventStreamResponse(result, interactive), None  # it releases the lease
+                return response
             status, answer = await forwarder.complete(path, body, prefix, received_at)
             return JSONResponse(answer, status_code=status)
         finally:
-            if not streaming:
-                forwarder.num_interactive -= interactive
+            if interactive is not None:
+                interactive.release()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -150,13 +151,22 @@ def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
     return app, router
 
 
-async def _counted(events, forwarder: Forwarder, interactive: bool):
-    """The stream, with the interactive count lowered when it ends (or the client leaves)."""
-    try:
-        async for event in events:
-            yield event
-    finally:
-        forwarder.num_interactive -= interactive
+class EventStreamResponse(StreamingResponse):
+    """A streamed answer that, however it ends (finished, the client gone mid-stream or before
+    the first byte, when the relay was never read), closes the relay (its replica's lease and
+    response) and releases the request's interactive lease."""
+
+    def __init__(self, relay: StreamRelay, interactive: Lease | None):
+        super().__init__(relay, media_type="text/event-stream")
+        self.relay, self.interactive = relay, interactive
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.interactive is not None:
+                self.interactive.release()
+            await self.relay.aclose()
 
 
 def _prompt_prefix(body: dict, num_chars: int) -> str:

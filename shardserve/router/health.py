@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardserve.router.replica_pool import LoadSignals, Replica, ReplicaPool
+from shardserve.router.replica_pool import LoadSignals, Replica, ReplicaPool, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +21,9 @@ LOAD_METRICS = {"vllm:num_requests_running": "num_running", "vllm:num_requests_w
 
 
 class HealthMonitor:
-    def __init__(self, pool: ReplicaPool, client: httpx.AsyncClient, interval_s: float, timeout_s: float):
-        self.pool, self.client = pool, client
+    def __init__(self, pool: ReplicaPool, client: httpx.AsyncClient, interval_s: float, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.pool, self.client, self.clock = pool, client, clock
         self.interval_s, self.timeout_s = interval_s, timeout_s
 
     async def run(self) -> None:
@@ -31,7 +33,8 @@ class HealthMonitor:
 
     async def check_all(self) -> None:
         self.pool.reap()
-        replicas = [r for r in self.pool.replicas.values() if self.pool.due_for_probe(r) and r.state != "ejected"]
+        replicas = [r for r in self.pool.replicas.values()
+                    if self.pool.due_for_probe(r, self.clock()) and r.state is not ReplicaState.EJECTED]
         await asyncio.gather(*(self.check(r) for r in replicas))
 
     async def check(self, replica: Replica) -> None:
@@ -40,16 +43,16 @@ class HealthMonitor:
             healthy = response.status_code == 200
         except httpx.TimeoutException:
             # slow to answer but still streaming to us: busy, not dead
-            healthy = time.monotonic() - replica.last_data_at < self.timeout_s
+            healthy = self.clock() - replica.last_data_at < self.timeout_s
         except httpx.HTTPError:
             healthy = False
         if not healthy:
             was = replica.state
-            self.pool.record_failure(replica)
-            if replica.state == "ejected" and was != "ejected":
+            self.pool.record_failure(replica, self.clock())
+            if replica.state is ReplicaState.EJECTED and was is not ReplicaState.EJECTED:
                 log.warning("replica %s ejected (failed probe; next probe in %.0f s)", replica.url, replica.eject_s)
             return
-        readmitted = replica.state == "half_open"
+        readmitted = replica.state is ReplicaState.HALF_OPEN
         self.pool.record_success(replica)
         if readmitted:
             log.warning("replica %s readmitted", replica.url)

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shardserve.router.replica_pool import ReplicaPool
+from shardserve.router.replica_pool import ReplicaPool, ReplicaState
 
 _BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-STATES = ("healthy", "ejected", "half_open", "draining")
 
 
 class RouterMetrics:
@@ -34,6 +33,6 @@ class RouterMetrics:
         for url, replica in pool.replicas.items():
             self.outstanding.labels(url).set(replica.outstanding)
             self.ejections.labels(url).set(pool.num_ejections.get(url, 0))
-            for state in STATES:
-                self.state.labels(url, state).set(1.0 if replica.state == state else 0.0)
+            for state in ReplicaState:
+                self.state.labels(url, state.value).set(1.0 if replica.state is state else 0.0)
         return generate_latest(self.registry)

@@ -30,11 +30,12 @@ from shardserve.bench.stats import SLO, BenchResult, LoadLevel
 from shardserve.config import ConfigError, RouterConfig
 from shardserve.planner.cost_model import Deployment
 from shardserve.request import SamplingParams
+from shardserve.router.admission import RouterError
 from shardserve.router.policies import PrefixAware
 from shardserve.sim.replica import ReplicaSetup, SimReplica
 from shardserve.sim.sim_request import SimRequest
 from shardserve.sim.sim_results import LevelResults
-from shardserve.sim.sim_router import RouteRejected, SimRouter
+from shardserve.sim.sim_router import SimRouter
 from shardserve.sim.step_clock import StepClock
 from shardserve.sim.workload import RequestSpec
 
@@ -251,7 +252,7 @@ class _LevelRun:
         prefix = json.dumps(list(spec.prompt_token_ids))[: self.config.router.prefix_chars] if self.needs_prefix else ""
         try:
             router.route(prefix, lambda i: self._submit(i, req, now))
-        except RouteRejected as exc:
+        except RouterError as exc:
             self._fail(now, index, spec, scheduled_s, sent_s, exc.status, exc.message)
 
     def _submit(self, i: int, req: SimRequest, now: float) -> bool:

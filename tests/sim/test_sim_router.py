@@ -1,6 +1,7 @@
 """The simulated router decides as the real one: its picks, driven through random traffic (routes,
-busy replicas, ends, load scrapes), equal the real Forwarder's admission and pick with the real
-policy objects over a real ReplicaPool in the same state."""
+busy replicas, ends, load scrapes), equal the real Forwarder's admission and the shared retry loop
+(router/retry.py, without the simulator's index) with the real policy objects over a real
+ReplicaPool in the same state."""
 from __future__ import annotations
 
 import json
@@ -9,18 +10,22 @@ import random
 import pytest
 
 from shardserve.config import RouterConfig
+from shardserve.router.admission import RouterError
 from shardserve.router.app import _prompt_prefix
-from shardserve.router.forwarding import Forwarder, RouterError
+from shardserve.router.forwarding import Forwarder
+from shardserve.router.lease import Lease
 from shardserve.router.metrics import RouterMetrics
 from shardserve.router.policies import make_policy
 from shardserve.router.replica_pool import LoadSignals, ReplicaPool
-from shardserve.sim.sim_router import RouteRejected, SimRouter
+from shardserve.router.retry import Outcome, first_accepting
+from shardserve.sim.sim_router import SimRouter
 
 POLICIES = ["round_robin", "least_outstanding", "power_of_two", "prefix_aware"]
 
 
 class RealRouter:
-    """The real router's decision path (Forwarder.admit, Forwarder.pick, the retry on 429)."""
+    """The real router's decision path: Forwarder.admit, then the shared retry loop over the real
+    pool (Forwarder.attempts: no shortcut), a replica's 429 being a BUSY outcome."""
 
     def __init__(self, urls: list[str], policy: str, config: RouterConfig):
         self.config = config
@@ -29,22 +34,21 @@ class RealRouter:
             self.pool.record_success(replica)
         chooser = make_policy(policy, config.prefix_chars, config.prefix_load_slack)
         self.forwarder = Forwarder(config, self.pool, chooser, None, RouterMetrics(policy))
+        self.leases: dict[str, list[Lease]] = {url: [] for url in self.pool.replicas}
 
     def route(self, prefix: str, accepts) -> tuple[list[str], int | None]:
         """(urls tried in order, status of the refusal or None)."""
-        tried: list[str] = []
+        attempts = self.forwarder.attempts(prefix)
         try:
             self.forwarder.admit({})
-            while True:
-                if len(tried) >= self.config.max_attempts:
-                    return tried, 503
-                replica = self.forwarder.pick(prefix, set(tried))
-                tried.append(replica.url)
-                if accepts(replica.url):
-                    replica.outstanding += 1
-                    return tried, None
+            attempt = first_accepting(attempts, lambda r: Outcome.ACCEPTED if accepts(r.url) else Outcome.BUSY)
         except RouterError as exc:
-            return tried, exc.status
+            return attempts.tried, exc.status
+        self.leases[attempt.replica.url].append(attempt.lease)
+        return attempts.tried, None
+
+    def request_ended(self, url: str) -> None:
+        self.leases[url].pop().release()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -72,7 +76,7 @@ def test_sim_router_picks_what_the_real_router_picks(policy, num_replicas):
             try:
                 chosen, status = sim.route(prefix, submit), None
                 in_flight.append(chosen)
-            except RouteRejected as exc:
+            except RouterError as exc:
                 status = exc.status
                 num_rejected += 1
             tried_real, real_status = real.route(prefix, lambda url: url not in busy)
@@ -80,7 +84,7 @@ def test_sim_router_picks_what_the_real_router_picks(policy, num_replicas):
         elif op < 0.9 and in_flight:
             i = in_flight.pop(rng.randrange(len(in_flight)))
             sim.request_ended(i)
-            real.pool.replicas[sim.replicas[i].url].outstanding -= 1
+            real.request_ended(sim.replicas[i].url)
         else:
             loads = [LoadSignals(rng.randrange(8), rng.randrange(3), rng.random(), 0.0) for _ in sim.replicas]
             sim.scraped(loads)

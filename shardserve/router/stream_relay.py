@@ -1,0 +1,148 @@
+"""Relaying one streamed request from its replica to the client, and resuming it on another
+replica when that one fails.
+
+    Forwarder.open_stream: the first replica that accepts (retry.py) -> StreamRelay
+    relay:   the replica's SSE events, each recorded in StreamProgress (migration.py), then [DONE]
+      fails mid-stream (broken connection, stall, error event, ejected): its attempt settles
+      FAILED and the request goes on on the next replica the same Attempts gives, resumed from
+      the tokens the client has (n > 1 streams cannot resume: an error event ends them)
+      no replica left: an error event and [DONE] (the client already has a 200)
+
+The relay holds one Upstream at a time: a replica's response and the lease on that replica.
+`aclose()` releases it however the stream ends, also when the client left before reading the
+first byte (a generator never started never runs its own `finally`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import httpx
+
+from shardserve.router.admission import RouterError
+from shardserve.router.migration import StreamProgress, sse
+from shardserve.router.retry import Attempt, Attempts, ReplicaFailed
+from shardserve.router.stall_watchdog import StallWatchdog
+from shardserve.server.protocol import error_body
+
+if TYPE_CHECKING:
+    from shardserve.router.forwarding import Forwarder
+
+
+@dataclass
+class Upstream:
+    """One replica's streamed response to the request, and the lease held on the replica meanwhile."""
+
+    attempt: Attempt
+    response: httpx.Response
+
+    async def close(self) -> None:
+        self.attempt.lease.release()  # first: a close cut short must not keep the replica busy
+        await self.response.aclose()
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """What a resume needs: the endpoint, the client's request and what the client has received."""
+
+    path: str
+    body: dict
+    progress: StreamProgress
+
+
+class StreamRelay:
+    """The client's byte stream (an async iterable of SSE events) for one streamed request."""
+
+    def __init__(self, forwarder: Forwarder, attempts: Attempts, request: StreamRequest, upstream: Upstream):
+        self.forwarder, self.attempts, self.request = forwarder, attempts, request
+        self.upstream: Upstream | None = upstream
+        self._events = self._relay()
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._events
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            await self._close_upstream()
+
+    async def _close_upstream(self) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            await upstream.close()
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        metrics = self.forwarder.metrics
+        try:
+            while True:
+                try:
+                    async with contextlib.aclosing(self._replica_events(self.upstream)) as events:
+                        async for event in events:  # aclosing: the client gone stops the watchdog now
+                            yield event
+                except ReplicaFailed as exc:
+                    await self._resume(exc)
+                    continue
+                self.attempts.succeeded(self.upstream.attempt)
+                metrics.requests.labels(self.upstream.attempt.replica.url, "ok").inc()
+                return
+        except RouterError as exc:
+            metrics.requests.labels(self.upstream.attempt.replica.url if self.upstream else "none", "failed").inc()
+            yield sse(error_body(exc.status, exc.message))
+            yield sse("[DONE]")
+        finally:
+            await self._close_upstream()
+
+    async def _resume(self, failure: ReplicaFailed) -> None:
+        """Settle the failed attempt; continue on the next replica from the tokens sent so far."""
+        progress, failed = self.request.progress, self.upstream
+        mid_stream = bool(progress.token_ids)
+        self.forwarder.failed(self.attempts, failed.attempt, failure, retried=not mid_stream)
+        if mid_stream:
+            self.forwarder.metrics.migrations.labels(failed.attempt.replica.url).inc()
+            if self.request.body.get("n", 1) != 1:
+                raise RouterError(503, "a stream with n > 1 cannot be resumed")
+        await self._close_upstream()
+        self.upstream = await self.forwarder.start_stream(self.attempts, self.request.path,
+                                                          progress.next_body(self.request.body))
+        status = self.upstream.response.status_code
+        if status != 200:
+            raise RouterError(503, f"resuming on {self.upstream.attempt.replica.url} failed with HTTP {status}")
+
+    async def _replica_events(self, upstream: Upstream) -> AsyncIterator[bytes]:
+        """The replica's SSE events, recorded in the progress; raises ReplicaFailed on a broken
+        connection, a stall, an error event or the replica's ejection. A watchdog closes the
+        response when the replica stalls or is ejected, so the read loop itself stays plain."""
+        config, progress = self.forwarder.config, self.request.progress
+        replica, response = upstream.attempt.replica, upstream.response
+        watchdog = StallWatchdog(replica, response, config.first_token_timeout_s)
+        watch = asyncio.ensure_future(watchdog.run())
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    yield sse("[DONE]")
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ReplicaFailed(f"error event: {chunk['error'].get('message')}")
+                watchdog.touch(config.stall_timeout_s)
+                replica.last_data_at = watchdog.last_data_at
+                yield sse(progress.observe(chunk))
+            failure = "the stream ended without [DONE]"
+        except (httpx.HTTPError, httpx.StreamError) as exc:  # StreamClosed: the watchdog closed it
+            failure = f"the stream broke: {type(exc).__name__} {exc}"
+        finally:
+            watch.cancel()
+        if watchdog.reason:
+            failure = watchdog.reason
+        if progress.finished and not watchdog.reason:  # every choice ended; only [DONE] was lost
+            yield sse("[DONE]")
+            return
+        raise ReplicaFailed(failure)
