@@ -1,6 +1,8 @@
 """A replica that stops answering (SIGSTOP: its process frozen, its sockets open) is ejected by
-the health probes within the configured time, its streams resume elsewhere, and once it answers
-again it is probed and readmitted."""
+the health probes, its streams resume elsewhere, and once it answers again it is probed and
+readmitted. The stall timer is set far beyond the wait for the ejection, so only the probes can
+have ejected it; how many failed probes eject a replica, each bounded by the probe timeout, is
+tests/router/test_health_checks.py's (with a fake clock: no timing is compared here)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,10 +19,9 @@ from tests.router.test_failover import run_all
 from tests.server_process import scrape
 
 PROBE_INTERVAL_S, PROBE_TIMEOUT_S, EJECT_AFTER = 0.5, 1.0, 2
-# each failed probe takes its timeout, then the interval passes before the next; the slack covers
-# the probe in flight at the stop and this test's status polling on a loaded 2-core host (4.04 s
-# was measured once in a full run). Without working probes the 30 s stall timer would eject it.
-EJECT_WITHIN_S = EJECT_AFTER * (PROBE_TIMEOUT_S + PROBE_INTERVAL_S) + 1.5
+# EJECT_AFTER failed probes eject it after about EJECT_AFTER x (timeout + interval) = 3 s; the wait
+# for it is a generous limit, not a measurement, and the stall timer cannot eject it before then
+EJECT_WAIT_S, STALL_TIMEOUT_S = 60.0, 600
 
 
 def replica_state(router_url: str, url: str) -> str:
@@ -42,7 +43,7 @@ def test_stopped_replica_is_ejected_and_readmitted(tiny_checkpoints):
     with replicas(tiny_checkpoints["llama"], 3) as fleet:
         urls = [url for url, _ in fleet]
         args = ["--policy", "round_robin", "--probe-timeout", str(PROBE_TIMEOUT_S), "--eject-after-failures",
-                str(EJECT_AFTER), "--stall-timeout", "30"]  # the probes, not the stall timer, must catch it
+                str(EJECT_AFTER), "--stall-timeout", str(STALL_TIMEOUT_S)]  # the probes must catch it
         with router(urls, *args) as (router_url, _):
             reference = asyncio.run(run_all(router_url, model))
             victim_url, victim = fleet[2]
@@ -57,17 +58,17 @@ def test_stopped_replica_is_ejected_and_readmitted(tiny_checkpoints):
 
             def watch(stopped_at: float) -> None:
                 with contextlib.suppress(AssertionError):
-                    wait_state(router_url, victim_url, "ejected", 30.0)
+                    wait_state(router_url, victim_url, "ejected", EJECT_WAIT_S)
                     ejected_after.append(time.monotonic() - stopped_at)
 
             faulted = asyncio.run(run_all(router_url, model, stop_midway))
             watcher[0].join()
             assert [t for t, _, _ in faulted] == [t for t, _, _ in reference]  # no stream lost
-            assert ejected_after and ejected_after[0] <= EJECT_WITHIN_S, ejected_after
+            assert ejected_after, f"not ejected within {EJECT_WAIT_S:.0f} s"
             os.killpg(victim.pid, signal.SIGCONT)
             readmitted_after_s = wait_state(router_url, victim_url, "healthy", 40.0)
             served = scrape(victim_url, "vllm:request_success_total")
             asyncio.run(run_all(router_url, model))  # round robin: a third of these go to it
             assert scrape(victim_url, "vllm:request_success_total") > served
-            print(f"\nstopped replica ejected {ejected_after[0]:.1f} s after SIGSTOP (limit {EJECT_WITHIN_S:.1f} s), "
+            print(f"\nstopped replica ejected {ejected_after[0]:.1f} s after SIGSTOP (by the probes), "
                   f"its streams resumed elsewhere; readmitted {readmitted_after_s:.1f} s after SIGCONT")
