@@ -71,8 +71,8 @@ class Forwarder:
     def attempts(self, prefix: str) -> Attempts:
         return Attempts(self.config, self.pool, self.policy, prefix)
 
-    async def send(self, attempts: Attempts, send: Callable[[Replica], Awaitable[T]]) -> tuple[Attempt, T]:
-        """The retry loop around HTTP (retry.first_accepting is the simulator's): `send` raises
+    async def first_accepting(self, attempts: Attempts, send: Callable[[Replica], Awaitable[T]]) -> tuple[Attempt, T]:
+        """The retry loop around HTTP (retry.first_accepting is the simulator's twin): `send` raises
         ReplicaBusy or ReplicaFailed, and `attempts` decides what that means and what comes next.
         The accepting attempt's lease is the caller's; every other is released here, also when
         the request is cancelled meanwhile."""
@@ -90,6 +90,8 @@ class Forwarder:
                 raise
 
     def failed(self, attempts: Attempts, attempt: Attempt, reason: ReplicaFailed, retried: bool) -> None:
+        """Settle a FAILED attempt: logged, counted as a retry (`retried`; a resumed stream counts
+        as a migration instead) and against the replica's circuit breaker."""
         log.warning("request failed on %s (%s); trying another replica", attempt.replica.url, reason)
         if retried:
             self.metrics.retries.labels(attempt.replica.url).inc()
@@ -105,7 +107,7 @@ class Forwarder:
                 self.metrics.added_latency.observe(time.monotonic() - received_at)
             return await self._post(replica, path, body)
 
-        attempt, (status, answer) = await self.send(attempts, post)
+        attempt, (status, answer) = await self.first_accepting(attempts, post)
         attempt.lease.release()  # answered: the request is no longer on the replica
         attempt.replica.last_data_at = time.monotonic()
         attempts.succeeded(attempt)
@@ -168,5 +170,5 @@ class Forwarder:
                 raise ReplicaBusy() if response.status_code == 429 else ReplicaFailed(f"HTTP {response.status_code}")
             return response
 
-        attempt, response = await self.send(attempts, send)
+        attempt, response = await self.first_accepting(attempts, send)
         return Upstream(attempt, response)

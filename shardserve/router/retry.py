@@ -69,7 +69,8 @@ class Attempts:
         cap = self.config.max_outstanding_per_replica
         candidates = [r for r in self.pool.routable(self.tried) if not r.saturated(cap)]
         if not candidates:
-            raise RouterError(429 if self.pool.routable() else 503, "no replica can take the request now; retry later", 1)
+            status = 429 if self.pool.routable() else 503
+            raise RouterError(status, "no replica can take the request now; retry later", retry_after_s=1)
         return self.policy.choose(candidates, self.prefix)
 
     def lease(self, replica: Replica) -> Lease:

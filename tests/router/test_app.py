@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect
 from shardserve.config import RouterConfig
 from shardserve.router.app import EventStreamResponse, build_router_app
 from shardserve.router.replica_pool import ReplicaState
-from tests.router.fake_replicas import FakeReplicas, answer, held, in_flight, stream
+from tests.router.fake_replicas import FakeReplicas, held, in_flight, stream
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 6, "temperature": 0}
 

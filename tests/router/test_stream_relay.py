@@ -48,8 +48,8 @@ def test_a_stream_is_relayed_and_its_lease_released():
 
 
 def test_a_broken_stream_resumes_on_another_replica_from_the_tokens_sent():
-    replicas = FakeReplicas({"http://r0": stream(break_at=3, name="cmpl-first"), "http://r1": stream(name="cmpl-second"),
-                             "http://r2": stream()})
+    replicas = FakeReplicas({"http://r0": stream(break_at=3, name="cmpl-first"),
+                             "http://r1": stream(name="cmpl-second"), "http://r2": stream()})
     forwarder = make_forwarder(replicas)
     events = asyncio.run(open_and_read(forwarder))
     assert text(events) == "t0 t1 t2 t3 t4 t5 "  # no gap, no repeat
