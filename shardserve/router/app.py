@@ -51,6 +51,46 @@ class Router:
              "ejections": self.pool.num_ejections.get(r.url, 0), "load": vars(r.load), "model": r.info}
             for r in self.pool.replicas.values()]}
 
+    async def forward(self, kind: str, path: str, request: Request) -> Response:
+        """One client request: parsed, admitted, sent (retried, resumed) and answered."""
+        received_at = time.monotonic()
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse(error_body(400, f"request body is not valid JSON: {exc}"), status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body(400, "request body must be a JSON object"), status_code=400)
+        request_class = request.headers.get("x-request-class")
+        if request_class and "request_class" not in body:
+            body["request_class"] = request_class
+        forwarder = self.forwarder
+        forwarder.admit(body)
+        body = forwarder.prepare(body)
+        prefix = _prompt_prefix(body, self.config.prefix_chars)
+        interactive = forwarder.lease_interactive(body)  # None for batch work
+        try:
+            if body.get("stream"):
+                status, result = await forwarder.open_stream(kind, path, body, prefix, received_at)
+                if status != 200:
+                    return JSONResponse(result, status_code=status)
+                response, interactive = EventStreamResponse(result, interactive), None  # it releases the lease
+                return response
+            status, answer = await forwarder.complete(path, body, prefix, received_at)
+            return JSONResponse(answer, status_code=status)
+        finally:
+            if interactive is not None:
+                interactive.release()
+
+    def models(self) -> dict:
+        """The fleet's models (/v1/models): each model's card, with the replicas serving it."""
+        cards: dict[str, dict] = {}
+        for replica in self.pool.replicas.values():
+            if replica.info:
+                card = cards.setdefault(replica.info.get("id"), {k: v for k, v in replica.info.items()} | {"replicas": []})
+                card["replicas"].append({"url": replica.url, "state": replica.state,
+                                         **{k: replica.info[k] for k in ("layout",) if k in replica.info}})
+        return {"object": "list", "data": list(cards.values())}
+
 
 def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
     router = Router(config)
@@ -70,52 +110,17 @@ def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
         return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=headers)
 
-    async def forward(kind: str, path: str, request: Request):
-        received_at = time.monotonic()
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return JSONResponse(error_body(400, f"request body is not valid JSON: {exc}"), status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse(error_body(400, "request body must be a JSON object"), status_code=400)
-        request_class = request.headers.get("x-request-class")
-        if request_class and "request_class" not in body:
-            body["request_class"] = request_class
-        forwarder = router.forwarder
-        forwarder.admit(body)
-        body = forwarder.prepare(body)
-        prefix = _prompt_prefix(body, config.prefix_chars)
-        interactive = forwarder.lease_interactive(body)  # None for batch work
-        try:
-            if body.get("stream"):
-                status, result = await forwarder.open_stream(kind, path, body, prefix, received_at)
-                if status != 200:
-                    return JSONResponse(result, status_code=status)
-                response, interactive = EventStreamResponse(result, interactive), None  # it releases the lease
-                return response
-            status, answer = await forwarder.complete(path, body, prefix, received_at)
-            return JSONResponse(answer, status_code=status)
-        finally:
-            if interactive is not None:
-                interactive.release()
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await forward("completion", "/v1/completions", request)
+        return await router.forward("completion", "/v1/completions", request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await forward("chat", "/v1/chat/completions", request)
+        return await router.forward("chat", "/v1/chat/completions", request)
 
     @app.get("/v1/models")
     async def models():
-        cards: dict[str, dict] = {}
-        for replica in router.pool.replicas.values():
-            if replica.info:
-                card = cards.setdefault(replica.info.get("id"), {k: v for k, v in replica.info.items()} | {"replicas": []})
-                card["replicas"].append({"url": replica.url, "state": replica.state,
-                                         **{k: replica.info[k] for k in ("layout",) if k in replica.info}})
-        return {"object": "list", "data": list(cards.values())}
+        return router.models()
 
     @app.get("/health")
     async def health():
