@@ -70,13 +70,13 @@ def synthetic_model() -> str:
 def run_layout(args: argparse.Namespace) -> dict:
     """In the child: run the workload under one layout, return its figures."""
     from shardserve.config import CacheConfig, EngineConfig, ParallelConfig
-    from shardserve.engine.engine import LLMEngine
+    from shardserve.engine.launcher import build_engine
     from shardserve.request import SamplingParams
 
     config = EngineConfig(model=args.model, dtype=args.dtype, show_progress=False, max_model_len=1024,
                           cache=CacheConfig(kv_cache_memory_bytes=256 << 20),
                           parallel=ParallelConfig(tp_size=args.tp, pp_size=args.pp))
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     try:
         rng = random.Random(0)
         params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)

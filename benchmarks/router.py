@@ -79,7 +79,7 @@ def process(cmd: list[str], port: int, env: dict | None = None):
 
 
 def start_router(stack: ExitStack, replicas: list[str], policy: str) -> str:
-    from shardserve.server.process import free_port
+    from shardserve.ports import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "shardserve.cli", "route", "--port", str(port), "--policy", policy,
@@ -129,7 +129,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def overhead() -> dict:
-    from shardserve.server.process import free_port
+    from shardserve.ports import free_port
 
     with ExitStack() as stack:
         port = free_port()
@@ -164,7 +164,7 @@ def shared_prefix_workload(seed: int, num_groups: int = 12, per_group: int = 5, 
 
 def prefix_routing() -> dict:
     from shardserve.bench.client import run_benchmark_sync
-    from shardserve.server.process import free_port
+    from shardserve.ports import free_port
 
     results = {}
     with ExitStack() as stack:

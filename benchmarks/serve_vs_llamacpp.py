@@ -29,7 +29,8 @@ from pathlib import Path
 
 from shardserve.bench.client import run_benchmark_sync
 from shardserve.models.checkpoint import resolve_model_path
-from shardserve.server.process import free_port, server_process
+from shardserve.ports import free_port
+from shardserve.server.process import server_process
 from shardserve.sim.workload import WorkloadConfig, build_workload
 
 RESULTS = Path(__file__).parent / "results"

@@ -298,7 +298,8 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
     real load from run to run; the simulated capacity is reported next to it as one more error)."""
     from shardserve.bench.client import run_benchmark
     from shardserve.bench.stats import LoadLevel
-    from shardserve.server.process import free_port, server_process
+    from shardserve.ports import free_port
+    from shardserve.server.process import server_process
 
     port = free_port()
     cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),

@@ -8,7 +8,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from shardserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from shardserve.engine.engine import LLMEngine
+from shardserve.engine.launcher import build_engine
 from shardserve.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -39,7 +39,7 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
 
 class LLM:
     def __init__(self, model: str = "smollm2", **kwargs):
-        self.engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        self.engine = build_engine(engine_config_from_kwargs(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

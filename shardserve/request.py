@@ -167,8 +167,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: cumulative text and tokens, plus what is new since the
-    previous output (`new_text`, `new_token_ids`) for streaming."""
+    """What a step produced for a request: what is new since its previous output (`new_text`,
+    `new_token_ids`, `new_logprobs`: a stream reads only these), and once it is finished, the
+    whole completion in `outputs` (empty before: LLMEngine.output assembles it on demand)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -176,6 +177,7 @@ class RequestOutput:
     finished: bool
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # with SamplingParams.logprobs
     num_cached_tokens: int = 0
     prompt: str | None = None
     # time.monotonic() stamps: queue time = first_scheduled - arrival, TTFT = first_token - arrival

@@ -6,7 +6,8 @@ from contextlib import contextmanager
 
 import httpx
 
-from shardserve.server.process import free_port, server_process
+from shardserve.ports import free_port
+from shardserve.server.process import server_process
 
 
 @contextmanager

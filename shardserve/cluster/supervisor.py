@@ -32,7 +32,7 @@ from shardserve.cluster.config import ClusterConfig, ReplicaGroup
 from shardserve.cluster.devices import DevicePool
 from shardserve.cluster.replica_process import ReplicaProcess
 from shardserve.router.app import Router
-from shardserve.server.process import free_port
+from shardserve.ports import free_port
 
 log = logging.getLogger(__name__)
 

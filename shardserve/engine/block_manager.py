@@ -155,11 +155,6 @@ class BlockManager:
         if self._free_back.pop(block_id, False) is False:
             self._free_front.remove(block_id)
 
-    def reset_prefix_cache(self) -> None:
-        for block_id in [*self._free_front, *self._free_back]:
-            self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
-        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_count > 0}
-
     def _extend_hashes(self, req: Request) -> None:
         bs = self.block_size
         num_full = req.num_tokens // bs

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.config import CacheConfig, ModelConfig
+from shardserve.config import CacheConfig
+from shardserve.layers.attention.paged_kv import KVShape
 
 
 @dataclass
@@ -23,8 +24,12 @@ class KVCache:
     def num_kv_heads(self) -> int:
         return self.layers[0].shape[1] if self.layers else 0
 
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device if self.layers else torch.device("cpu")
+
     @classmethod
-    def allocate(cls, shape: "KVShape", num_blocks: int, block_size: int,
+    def allocate(cls, shape: KVShape, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> "KVCache":
         num_layers = shape.num_layers
         shape = (2, shape.num_kv_heads, num_blocks, block_size, shape.head_dim)
@@ -39,22 +44,6 @@ class KVCache:
             pool = torch.frombuffer(mmap.mmap(-1, numel * num_layers * torch.finfo(dtype).bits // 8), dtype=dtype)
             layers = [pool[i * numel : (i + 1) * numel].view(shape) for i in range(num_layers)]
         return cls(layers, num_blocks, block_size, dtype)
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What one rank caches: its layers (a pipeline stage's) and its KV heads (a tp slice)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, model_config: ModelConfig) -> "KVShape":
-        return cls(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
-
-    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * torch.finfo(dtype).bits // 8
 
 
 def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.config import ConfigError, EngineConfig, ModelConfig
-from shardserve.engine.kv_cache import KVCache, KVShape, kv_budget_bytes
+from shardserve.engine.kv_cache import KVCache, kv_budget_bytes
+from shardserve.layers.attention.backend import AttentionBackend, attention_backend
+from shardserve.layers.attention.paged_kv import KVShape
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.models.registry import model_class
 from shardserve.models.tokenizer import Tokenizer, load_tokenizer
@@ -28,6 +30,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     groups: ParallelGroups
+    attention: AttentionBackend  # the model's attention backend; the runner builds its metadata
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -49,15 +52,16 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     config.parallel.validate(model_config)
     tokenizer = load_tokenizer(checkpoint)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
+    attention = attention_backend(device)
     with torch.device(device):
-        model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups)
+        model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups, attention)
     show_progress = config.show_progress and groups.is_driver
     model.load_weights(checkpoint.iter_lazy_tensors(show_progress=show_progress))
     model.prepack()
     model.eval()
     kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
     eos = tuple(dict.fromkeys(model_config.eos_token_ids + tokenizer.eos_token_ids))
-    return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups)
+    return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups, attention)
 
 
 def _allocate_kv_cache(config: EngineConfig, shape: KVShape, max_model_len: int, dtype: torch.dtype,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,49 +50,65 @@ class StepStats:
 
 
 class Worker:
+    """One rank of a parallel replica: runs the runner's step as this rank's pipeline stage
+    (the `Stage` that ModelRunner.execute talks to), and answers the driver's collections."""
+
     def __init__(self, runner: ModelRunner, groups: ParallelGroups):
         self.runner = runner
         self.groups = groups
         self.hidden_size = runner.model_config.hidden_size
         self.num_micro_batches = groups.config.num_micro_batches or groups.pp_size
         self.stats = StepStats(groups.rank)
+        self.is_last = groups.is_last_stage
+        self.samples = groups.rank == groups.sampler_rank
+        self._sends: list = []
+        self._compute_s = 0.0
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        runner, groups = self.runner, self.groups
-        runner.update_states(sched)
-        if sched.is_empty:
-            return ModelRunnerOutput()
-        start, comm_start, compute_s = time.perf_counter(), groups.stats.seconds, 0.0
-        sampled: dict[str, SampledToken] = {}
-        sends = []
-        for seqs in split_micro_batches(sched.seqs, self.num_micro_batches if groups.pp_size > 1 else 1):
-            inputs = runner.prepare_inputs(seqs)
-            hidden_in = None
-            if not groups.is_first_stage:
-                hidden_in = torch.empty(len(inputs.input_ids), self.hidden_size, dtype=runner.kv_cache.dtype,
-                                        device=runner.device)
-                dist.recv(hidden_in, src=groups.prev_stage_rank)
-            compute_start, comm_before = time.perf_counter(), groups.stats.seconds
-            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.meta, hidden_in)
-            if not groups.is_last_stage:  # the tensor stays referenced until its send completes
-                sends.append((dist.isend(hidden, dst=groups.next_stage_rank), hidden))
-            elif inputs.sample_req_ids:
-                if groups.rank == groups.sampler_rank:
-                    sampled.update(runner.sample(inputs, hidden))
-                else:  # the vocab-parallel head is a collective: every last-stage rank takes part
-                    runner.model.compute_logits(hidden[inputs.sample_indices])
-            compute_s += time.perf_counter() - compute_start - (groups.stats.seconds - comm_before)
-        for send, _ in sends:
-            send.wait()
-        sampled = self._share_sampled(sampled)
-        runner.record(sampled)
-        self.stats.num_steps += 1
-        self.stats.step_s += time.perf_counter() - start
-        self.stats.compute_s += compute_s
-        self.stats.comm_s += groups.stats.seconds - comm_start
-        return ModelRunnerOutput(sampled)
+        start, comm_start = time.perf_counter(), self.groups.stats.seconds
+        self._compute_s = 0.0
+        out = self.runner.execute(sched, self)
+        if not sched.is_empty:
+            self.stats.num_steps += 1
+            self.stats.step_s += time.perf_counter() - start
+            self.stats.compute_s += self._compute_s
+            self.stats.comm_s += self.groups.stats.seconds - comm_start
+        return out
 
+    # --- the Stage protocol (engine/model_runner.py) ---------------------------------------------
+    def micro_batches(self, seqs: list[ScheduledSeq]) -> list[list[ScheduledSeq]]:
+        return split_micro_batches(seqs, self.num_micro_batches if self.groups.pp_size > 1 else 1)
+
+    def receive(self, num_tokens: int) -> torch.Tensor | None:
+        """The previous stage's residual stream [T_mb, hidden] (None on the first stage)."""
+        if self.groups.is_first_stage:
+            return None
+        hidden_in = torch.empty(num_tokens, self.hidden_size, dtype=self.runner.kv_cache.dtype,
+                                device=self.runner.device)
+        dist.recv(hidden_in, src=self.groups.prev_stage_rank)
+        return hidden_in
+
+    def compute(self, run: Callable[[], dict[str, SampledToken]]) -> dict[str, SampledToken]:
+        """Run one micro-batch's layers (and head); its time, communication excluded, is compute."""
+        start, comm_before = time.perf_counter(), self.groups.stats.seconds
+        sampled = run()
+        self._compute_s += time.perf_counter() - start - (self.groups.stats.seconds - comm_before)
+        return sampled
+
+    def send(self, hidden: torch.Tensor) -> None:
+        # the tensor stays referenced until its send completes
+        self._sends.append((dist.isend(hidden, dst=self.groups.next_stage_rank), hidden))
+
+    def finish(self, sampled: dict[str, SampledToken]) -> dict[str, SampledToken]:
+        """Wait for this step's sends; the sampled tokens, from the sampling rank to every rank."""
+        for send, _ in self._sends:
+            send.wait()
+        self._sends = []
+        box = [sampled if self.samples else None]
+        dist.broadcast_object_list(box, src=self.groups.sampler_rank, group=self.groups.control)
+        return box[0]
+
+    # --- the driver's collections ----------------------------------------------------------------
     def expert_load(self) -> list[dict] | None:
         """Every rank's `moe.expert_load`, gathered on the driver (None elsewhere)."""
         mine = expert_load(self.runner.model)
@@ -109,11 +126,6 @@ class Worker:
 
     def rebalance_experts(self) -> None:
         rebalance_experts(self.runner.model)
-
-    def _share_sampled(self, sampled: dict[str, SampledToken]) -> dict[str, SampledToken]:
-        box = [sampled if self.groups.rank == self.groups.sampler_rank else None]
-        dist.broadcast_object_list(box, src=self.groups.sampler_rank, group=self.groups.control)
-        return box[0]
 
 
 def split_micro_batches(seqs: list[ScheduledSeq], num_micro_batches: int) -> list[list[ScheduledSeq]]:

@@ -14,7 +14,18 @@ from torch import nn
 
 from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.linear import copy_checked
-from shardserve.models.lazy_tensor import as_lazy
+from shardserve.layers.lazy_tensor import as_lazy
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
+    Weights are the softmax probabilities (in float32 whatever the logits' dtype) of the k
+    largest experts, rescaled to sum to 1 when `normalize`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    topk_weights, topk_ids = probs.topk(top_k, dim=-1)  # [T, k]
+    if normalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
 
 
 class Experts(nn.Module):

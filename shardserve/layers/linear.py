@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.layers.cpu_kernels import load_panel_linear
-from shardserve.models.lazy_tensor import LazyTensor, as_lazy
+from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 
 
 def default_weight_loader(param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id=None) -> None:

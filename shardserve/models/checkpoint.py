@@ -17,7 +17,7 @@ import torch
 
 from shardserve.config import ConfigError, ModelConfig
 from shardserve.models.gguf_file import GGUFFile
-from shardserve.models.lazy_tensor import LazyTensor
+from shardserve.layers.lazy_tensor import LazyTensor
 from shardserve.models.safetensors_files import SafetensorsFiles, read_hf_config
 
 DEFAULT_MODEL = "smollm2"

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardserve.config import ModelConfig
-from shardserve.layers.experts import Experts
+from shardserve.layers.experts import Experts, route
 from shardserve.layers.linear import Linear
 from shardserve.parallel.comm import all_reduce
 from shardserve.parallel.expert import ExpertLoadCounter, ExpertParallel, initial_placement, rebalance
@@ -30,17 +30,6 @@ _EXPERT_PARTS = {  # checkpoint part -> (our parameter, shard within it)
     "w2": ("down", None), "down_proj": ("down", None),
     "gate_up_proj": ("gate_up", None),
 }
-
-
-def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
-    Weights are the softmax probabilities (in float32 whatever the logits' dtype) of the k
-    largest experts, rescaled to sum to 1 when `normalize`."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    topk_weights, topk_ids = probs.topk(top_k, dim=-1)  # [T, k]
-    if normalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
 
 
 def expert_param_name(name: str) -> tuple[str, tuple[int | None, int | None]] | None:

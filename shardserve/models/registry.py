@@ -1,7 +1,7 @@
 """Model family name -> implementation class."""
 from __future__ import annotations
 
-from shardserve.models.dense import DecoderModel
+from shardserve.models.decoder import DecoderModel
 
 MODEL_CLASSES = {
     "llama": DecoderModel,

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from shardserve.config import ConfigError, ModelConfig
-from shardserve.models.lazy_tensor import LazyTensor
+from shardserve.layers.lazy_tensor import LazyTensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.layers.linear import PackedWeight, copy_checked, prepack_weight
-from shardserve.models.lazy_tensor import LazyTensor, as_lazy
+from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 from shardserve.parallel.comm import all_gather, all_reduce
 from shardserve.parallel.groups import GroupInfo
 

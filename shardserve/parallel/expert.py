@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardserve.layers.experts import Experts
+from shardserve.layers.experts import Experts, route
 from shardserve.parallel.comm import all_gather_uneven, all_to_all
 from shardserve.parallel.groups import GroupInfo
 
@@ -160,8 +160,6 @@ class ExpertParallel:
     def forward(self, x: torch.Tensor, router, experts: Experts, top_k: int, normalize: bool,
                 load: ExpertLoadCounter) -> torch.Tensor:
         """x [T, H], the same on every rank of the group -> routed experts' output [T, H]."""
-        from shardserve.models.moe import route
-
         bounds = self.chunk_bounds(x.shape[0])
         lo, hi = bounds[self.ep.rank], bounds[self.ep.rank + 1]
         chunk = x[lo:hi]  # [t, H]

@@ -7,8 +7,8 @@
     hosts, no torchrun:   shardserve serve --tp 2 --pp 2 --nnodes 2 --node-rank R --dist-init-addr A:P
                           (each host spawns its world_size / nnodes ranks)
 
-Rank 0 is the driver (scheduler, HTTP); every other rank runs `run_worker_loop` until the driver
-says Shutdown. A spawned rank dies with its parent (PR_SET_PDEATHSIG), so killing the driver
+Rank 0 is the driver (scheduler, HTTP); every other rank runs the `worker_main` it is given (the
+engine's worker loop, engine/launcher.py) until the driver says Shutdown. A spawned rank dies with its parent (PR_SET_PDEATHSIG), so killing the driver
 never leaves workers behind.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 from shardserve.config import ConfigError, EngineConfig, ParallelConfig
 from shardserve.parallel.groups import ParallelGroups
+from shardserve.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,13 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def start_ranks(config: EngineConfig) -> Ranks:
+WorkerMain = Callable[[EngineConfig, ParallelGroups], None]  # a non-driver rank's life: load, serve
+
+
+def start_ranks(config: EngineConfig, worker_main: WorkerMain) -> Ranks:
     """Make this process a rank of the replica `config.parallel` describes, spawning this host's
-    other ranks unless torchrun already started them. Raises ConfigError for a launch that
+    other ranks (each runs `worker_main`, a module-level function) unless torchrun already
+    started them. Raises ConfigError for a launch that
     cannot work (a world size that torchrun or --nnodes contradicts, no --dist-init-addr)."""
     par = config.parallel
     if under_torchrun():
@@ -74,11 +80,11 @@ def start_ranks(config: EngineConfig) -> Ranks:
     first_rank = par.node_rank * local_size
     if par.dist_init_addr is None and par.nnodes > 1:
         raise ConfigError("with --nnodes > 1, give every node --dist-init-addr HOST:PORT of node 0")
-    init_method = f"tcp://{par.dist_init_addr or f'127.0.0.1:{_free_port()}'}"
+    init_method = f"tcp://{par.dist_init_addr or f'127.0.0.1:{free_port()}'}"
     children = None
     if local_size > 1:
         children = mp.start_processes(_spawned_rank_main,
-                                      args=(config, first_rank, init_method, local_size, os.getpid()),
+                                      args=(config, worker_main, first_rank, init_method, local_size, os.getpid()),
                                       nprocs=local_size - 1, join=False, start_method="spawn")
     try:
         _init_process_group(config, first_rank, init_method, local_size)
@@ -96,23 +102,11 @@ def ranks_per_node(par: ParallelConfig) -> int:
     return par.world_size // par.nnodes
 
 
-def serve_as_worker(config: EngineConfig, groups: ParallelGroups) -> None:
-    """A non-driver rank: load its shard, then run steps until the driver shuts down."""
-    from shardserve.engine.executor import run_worker_loop
-    from shardserve.engine.model_loader import load_model
-    from shardserve.engine.model_runner import ModelRunner
-    from shardserve.engine.worker import Worker
-
-    loaded = load_model(config, groups)
-    runner = ModelRunner(loaded.model, loaded.model_config, loaded.kv_cache, loaded.eos_token_ids, loaded.device)
-    run_worker_loop(Worker(runner, groups))
-
-
-def serve_worker_and_exit(config: EngineConfig, ranks: Ranks) -> None:
+def serve_worker_and_exit(config: EngineConfig, ranks: Ranks, worker_main: WorkerMain) -> None:
     """For a non-driver rank running the user's command (under torchrun, or on a host with
     --node-rank > 0): serve, wait for the ranks it spawned, exit."""
     try:
-        serve_as_worker(config, ranks.groups)
+        worker_main(config, ranks.groups)
         if ranks.children is not None:
             for process in ranks.children.processes:
                 process.join(config.parallel.comm_timeout_s)
@@ -133,8 +127,8 @@ def worker_exit(rank: int, exc: BaseException | None) -> None:
     os._exit(1)
 
 
-def _spawned_rank_main(index: int, config: EngineConfig, first_rank: int, init_method: str, local_size: int,
-                       parent_pid: int) -> None:
+def _spawned_rank_main(index: int, config: EngineConfig, worker_main: WorkerMain, first_rank: int, init_method: str,
+                       local_size: int, parent_pid: int) -> None:
     rank = first_rank + 1 + index
     _die_with_parent(parent_pid)
     # tqdm's default lock is a multiprocessing semaphore that os._exit would leak (and the
@@ -142,7 +136,7 @@ def _spawned_rank_main(index: int, config: EngineConfig, first_rank: int, init_m
     tqdm.set_lock(threading.RLock())
     try:
         _init_process_group(config, rank, init_method, local_size)
-        serve_as_worker(config, ParallelGroups.build(config.parallel, rank))
+        worker_main(config, ParallelGroups.build(config.parallel, rank))
     except BaseException as exc:  # noqa: BLE001 - every failure ends this process with a message
         worker_exit(rank, exc)
     worker_exit(rank, None)
@@ -165,8 +159,3 @@ def _die_with_parent(parent_pid: int) -> None:
         if os.getppid() != parent_pid:  # the parent died while this process started: no signal will come
             os._exit(1)
 
-
-def _free_port() -> int:
-    from shardserve.server.process import free_port
-
-    return free_port()

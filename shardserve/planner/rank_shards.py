@@ -7,7 +7,7 @@ docs/parallelism.md), counted in parameters:
     MoE layer, ep = 1: every expert split by its intermediate features over tp (like a dense MLP).
     MoE layer, ep > 1: num_experts / ep whole experts per rank (+ redundant slots); router
     replicated; the shared expert (Qwen2-MoE) tensor-parallel over tp.
-    pipeline: the engine's own cost-balanced split (ParallelConfig.stage_layers); the first stage
+    pipeline: the engine's own cost-balanced split (ParallelConfig.model_stages); the first stage
     holds the embedding, the last the final norm and LM head.
 """
 from __future__ import annotations
@@ -33,9 +33,8 @@ class StagePlan:
 
 
 def stage_plans(model: ModelConfig, par: ParallelConfig) -> tuple[StagePlan, ...]:
-    """The stages as the engine builds them (same split, same LM-head weight as models/dense.py)."""
-    head_cost = model.vocab_size * model.hidden_size / 3
-    stages = par.stage_layers(model.active_params_per_layer(), head_cost)
+    """The stages as the engine builds them (ParallelConfig.model_stages)."""
+    stages = par.model_stages(model)
     plans = []
     for index, layer_ids in enumerate(stages):
         num_moe = sum(model.is_moe_layer(i) for i in layer_ids)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 def add_profile_parser(subparsers) -> None:
     """Register the `profile` subcommand on an argparse subparsers object (func=run_profile_command)."""
-    from shardserve.cli import add_engine_args
+    from shardserve.engine.cli_args import add_engine_args
 
     p = subparsers.add_parser("profile", help="profile a model on the engine: op-class split, MFU/MBU, "
                                               "bottlenecks, and a calibration for plan/simulate")
@@ -37,7 +37,7 @@ def add_profile_parser(subparsers) -> None:
 def run_profile_command(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from shardserve.cli import engine_kwargs
+    from shardserve.engine.cli_args import engine_kwargs
     from shardserve.config import ConfigError
     from shardserve.llm import engine_config_from_kwargs
     from shardserve.models.checkpoint import load_checkpoint

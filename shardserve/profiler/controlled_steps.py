@@ -19,7 +19,6 @@ import numpy as np
 
 from shardserve.engine.engine import LLMEngine
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken
-from shardserve.engine.model_runner import ModelRunner
 from shardserve.request import SamplingParams
 
 
@@ -53,7 +52,7 @@ class ControlledBatches:
         """`num_seqs` running requests whose next step is a decode attending `context_len` tokens:
         prompts of context_len - 1 tokens, prefilled, with one generated token each."""
         req_ids = self.add_prompts(num_seqs, context_len - 1)
-        if isinstance(self.engine.runner, ModelRunner):
+        if self.engine.config.parallel.world_size == 1:  # no other ranks to keep in step
             self._fast_forward(req_ids)
         else:
             while any(not self._request(r).output_token_ids for r in req_ids):

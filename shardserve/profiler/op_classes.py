@@ -31,7 +31,7 @@ from shardserve.layers.experts import Experts
 from shardserve.layers.linear import Linear
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
-from shardserve.models.dense import Attention
+from shardserve.models.decoder import Attention
 from shardserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.profiler.step_probe import PHASE_LABEL, PHASES, STEP_LABEL
 

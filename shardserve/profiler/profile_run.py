@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from shardserve.config import EngineConfig, ModelConfig
-from shardserve.engine.engine import LLMEngine
+from shardserve.engine.launcher import build_engine
 from shardserve.planner.cost_model import Deployment, dtype_bytes_of, step_time
 from shardserve.planner.efficiency import Efficiency, calibration_document
 from shardserve.planner.hardware import Hardware, get_hardware, measure_this_host
@@ -116,7 +116,7 @@ def raise_peaks(dep: Deployment, measured: list[tuple[PointMeasurement, dict[str
 
 
 def _measure_all(config: EngineConfig, points: list[SweepPoint], profile: ProfileConfig) -> list[PointMeasurement]:
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     try:
         batches = ControlledBatches(engine, profile.seed, SamplingParams(temperature=profile.temperature))
         measurements = []

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from torch.autograd.profiler import record_function
 
 from shardserve.engine.engine import LLMEngine
-from shardserve.engine.executor import ParallelExecutor
-from shardserve.engine.model_runner import ModelRunner
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "other")
 PHASE_LABEL = "shardserve/phase/"
@@ -43,18 +41,12 @@ class StepTiming:
     batch: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
 
-def local_model_runner(engine: LLMEngine) -> ModelRunner:
-    """The ModelRunner of this process: the engine's own, or the driver rank's in a parallel replica."""
-    runner = engine.runner
-    return runner.worker.runner if isinstance(runner, ParallelExecutor) else runner
-
-
 class StepProbe:
     """Context manager; `step()` runs and times one engine step."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.runner = local_model_runner(engine)
+        self.runner = engine.runner  # this process's: the driver rank's in a parallel replica
         self.labels = False
         self._phase_s: dict[str, float] = {}
         self._undo: list = []

@@ -55,11 +55,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
 
     def prompt_ids(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         try:
-            if isinstance(prompt, str) and not prompt:
-                raise InvalidRequestError("prompt is empty", "prompt")
-            ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else list(prompt)
-            engine.validate_prompt(ids)
-            return ids
+            return engine.validator.prompt_ids(prompt, add_special_tokens)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
@@ -67,10 +63,10 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
         specs = []
         base = uuid.uuid4().hex
         for p_index, ids in enumerate(prompts):
-            budget = engine.max_model_len - len(ids)
-            if max_tokens is not None and max_tokens > budget:
-                raise APIError(400, f"this model's context window is {engine.max_model_len} tokens; the prompt "
-                                    f"has {len(ids)}, so max_tokens can be at most {budget}", "max_tokens")
+            try:
+                budget = engine.validator.token_budget(ids, max_tokens)
+            except InvalidRequestError as exc:
+                raise APIError(400, str(exc), exc.param) from None
             for i in range(body.n):
                 seed = None if body.seed is None else body.seed + i
                 try:
@@ -86,7 +82,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
         if body.n != 1 or len(_split_prompts(getattr(body, "prompt", ""))) != 1:
             raise APIError(400, "resume_token_ids needs exactly one prompt and n = 1", "resume_token_ids")
         try:
-            engine.validate_resume(ids, params, body.resume_token_ids)
+            engine.validator.resume(ids, params, body.resume_token_ids)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), exc.param) from None
         return Resume(tuple(body.resume_token_ids), body.resume_text_chars)
@@ -146,11 +142,9 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
 
 
 def _split_prompts(prompt) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt is empty", "prompt")
-    if isinstance(prompt[0], int):
+    """One prompt (text or token ids) or a batch of them -> the list of prompts. An empty one is
+    kept as it is, for the validator to refuse."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
 

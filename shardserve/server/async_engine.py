@@ -123,10 +123,6 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.error is None and self._running.is_set()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
     # --- requests --------------------------------------------------------------------------------
     def submit(self, specs: list[RequestSpec]) -> list[RequestStream]:
         """Queue requests together (all or none). Raises EngineDeadError or QueueFullError."""

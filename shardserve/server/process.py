@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -12,13 +11,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import httpx
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (picked by the OS)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -82,8 +82,8 @@ class ResponseBuilder:
         """One streamed delta for choice `index`; `out` carries the finish reason and logprobs."""
         finish = out.outputs[0].finish_reason if out is not None and out.finished else None
         logprobs = None
-        if self.want_logprobs and out is not None and out.outputs[0].logprobs and out.new_token_ids:
-            entries = out.outputs[0].logprobs[-len(out.new_token_ids):]
+        if self.want_logprobs and out is not None and out.new_logprobs:
+            entries = out.new_logprobs
             logprobs = (completion_logprobs(self.tokenizer, entries, 0) if self.kind == "completion"
                         else chat_logprobs(self.tokenizer, entries))
         if self.kind == "completion":

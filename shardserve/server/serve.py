@@ -9,7 +9,7 @@ import threading
 import uvicorn
 
 from shardserve.config import EngineConfig, ServerConfig
-from shardserve.engine.engine import LLMEngine
+from shardserve.engine.launcher import build_engine
 from shardserve.server.api import build_app
 from shardserve.server.async_engine import AsyncEngine
 from shardserve.server.efficiency_metrics import efficiency_config
@@ -18,7 +18,7 @@ from shardserve.server.metrics import ServerMetrics
 
 def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     """The FastAPI app and its AsyncEngine (not started)."""
-    engine = LLMEngine(engine_config)
+    engine = build_engine(engine_config)
     model_name = server_config.served_model_name or engine_config.model
     efficiency = efficiency_config(engine_config, engine.model_config, server_config.calibration,
                                    server_config.device_price_per_hour_usd)

@@ -12,7 +12,8 @@ import httpx
 import psutil
 import yaml
 
-from shardserve.server.process import free_port, server_process
+from shardserve.ports import free_port
+from shardserve.server.process import server_process
 
 FAST_ROUTER = {"probe_interval_s": 0.3}
 FAST_SUPERVISOR = {"check_interval_s": 0.2, "restart_backoff_s": 0.2, "stop_timeout_s": 10.0}

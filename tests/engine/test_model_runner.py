@@ -2,14 +2,17 @@
 import torch
 
 from shardserve.engine.model_runner import ModelRunner
+from shardserve.layers.attention.backend import attention_backend
 from shardserve.layers import cpu_kernels
 
 
 def test_cpu_runner_builds_the_native_kernels_before_any_request(monkeypatch):
-    """The sampler's and the MLP's kernels are loaded on first use; on a fresh machine that meant
+    """Building a CPU runner and its attention backend builds their kernels. The sampler's and the
+    MLP's kernels are loaded on first use; on a fresh machine that meant
     compiling them while the first request waited (about 20 s, after /health already said ready)."""
     loaded = []
     load = cpu_kernels._load
     monkeypatch.setattr(cpu_kernels, "_load", lambda name, fast_math: loaded.append(name) or load(name, fast_math))
-    ModelRunner(torch.nn.Identity(), None, None, (), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    ModelRunner(torch.nn.Identity(), None, None, (), cpu, attention_backend(cpu))
     assert {"paged_decode_attention", "fused_elementwise", "argmax_rows"} <= set(loaded)

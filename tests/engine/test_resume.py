@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from shardserve.config import CacheConfig, EngineConfig
-from shardserve.engine.engine import LLMEngine
+from shardserve.engine.launcher import build_engine
 from shardserve.request import InvalidRequestError, Resume, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):
-    return LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), show_progress=False,
+    return build_engine(EngineConfig(model=str(tiny_checkpoints["llama"]), show_progress=False,
                                   cache=CacheConfig(kv_cache_memory_bytes=1 << 22)))
 
 

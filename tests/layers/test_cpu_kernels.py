@@ -1,38 +1,16 @@
-"""The native CPU kernels against the torch code they replace, on the same paged cache."""
+"""The native CPU kernels against the torch code they replace, on the same paged cache (the decode
+attention kernel is tested as a backend, in test_attention.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shardserve.layers.attention import (AttentionMetadata, DecodeGroup, NativeDecode, gather_ids, paged_attention,
-                                        write_kv)
-from shardserve.layers.cpu_kernels import load_argmax_rows, load_paged_decode_attention, load_rotary_kv, load_silu_mul
+from shardserve.layers.attention.paged_kv import write_kv
+from shardserve.layers.cpu_kernels import load_argmax_rows, load_rotary_kv, load_silu_mul
 from shardserve.layers.rotary import apply_rotary
 
-kernel = load_paged_decode_attention()
 rotary_kv = load_rotary_kv()
 silu_mul = load_silu_mul()
 argmax_rows = load_argmax_rows()
-
-
-@pytest.mark.skipif(kernel is None, reason="no C++ toolchain for the native kernel")
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_matches_torch_path(dtype, tol):
-    torch.manual_seed(0)
-    heads, kv_heads, dim, block_size, num_blocks, batch = 9, 3, 64, 16, 64, 5
-    cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, dtype=dtype)
-    lens = [1, 17, 40, 33, 64]
-    max_blocks = 4
-    tables = torch.randperm(num_blocks)[: batch * max_blocks].view(batch, max_blocks)
-    q, k, v = (torch.randn(batch, n, dim, dtype=dtype) for n in (heads, kv_heads, kv_heads))
-    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size for i, n in enumerate(lens)])
-    visible = torch.arange(max_blocks * block_size).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf")).unsqueeze(1).repeat(kv_heads, 1, 1)
-    torch_meta = AttentionMetadata(slot_mapping=slots, decode_groups=[
-        DecodeGroup(0, batch, gather_ids(tables.reshape(-1), kv_heads, num_blocks), bias)])
-    native_meta = AttentionMetadata(slot_mapping=slots, native_decode=NativeDecode(kernel, tables, torch.tensor(lens)))
-    expected = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), torch_meta, dim**-0.5)
-    got = paged_attention(q, k, v, cache[0].clone(), cache[1].clone(), native_meta, dim**-0.5)
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(rotary_kv is None, reason="no C++ toolchain for the native kernel")

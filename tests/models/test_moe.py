@@ -1,6 +1,6 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) and dense Qwen3: their configs, the
 routing and expert math on their own, and checkpoint names. Parity with transformers for these
-families runs with the others' in test_dense.py."""
+families runs with the others' in test_decoder.py."""
 import json
 
 import pytest
@@ -10,7 +10,8 @@ import transformers
 
 from shardserve.config import ModelConfig
 from shardserve.layers.experts import Experts
-from shardserve.models.moe import expert_param_name, route
+from shardserve.layers.experts import route
+from shardserve.models.moe import expert_param_name
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3"]
 

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 
-from shardserve.server.process import free_port
+from shardserve.ports import free_port
 
 EXIT_WITHIN_S = 30.0
 # below comm_timeout_s (20 s): the loss is seen on the closed connections, and no survivor is

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from shardserve.config import ParallelConfig
 from shardserve.models.checkpoint import load_checkpoint
-from shardserve.models.dense import DecoderModel
-from shardserve.models.lazy_tensor import LazyTensor
+from shardserve.models.decoder import DecoderModel
+from shardserve.layers.lazy_tensor import LazyTensor
 from shardserve.parallel.groups import GroupInfo, ParallelGroups
 
 

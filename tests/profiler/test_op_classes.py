@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardserve.engine.engine import LLMEngine
+from shardserve.engine.launcher import build_engine
 from shardserve.llm import engine_config_from_kwargs
 from shardserve.profiler.controlled_steps import ControlledBatches
 from shardserve.profiler.op_classes import OP_CLASSES, collective_of
@@ -19,7 +19,7 @@ SWEEP = SweepConfig(prefill=(), decode_batches=(), decode_contexts=(), mixed=(),
 def engine(tiny_checkpoints):
     config = engine_config_from_kwargs(str(tiny_checkpoints["llama"]), kv_cache_memory_bytes=8 * 2**20,
                                        show_progress=False)
-    return LLMEngine(config)
+    return build_engine(config)
 
 
 @pytest.mark.parametrize("point", [SweepPoint("prefill", 2, prompt_len=40), SweepPoint("decode", 4, context_len=50),

@@ -6,7 +6,8 @@ import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from shardserve.server.process import free_port, server_process
+from shardserve.ports import free_port
+from shardserve.server.process import server_process
 
 
 @contextmanager

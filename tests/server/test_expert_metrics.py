@@ -4,13 +4,13 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardserve.config import CacheConfig, EngineConfig
-from shardserve.engine.engine import LLMEngine
+from shardserve.engine.launcher import build_engine
 from shardserve.request import SamplingParams
 from shardserve.server.metrics import ServerMetrics
 
 
 def test_expert_load_is_exported_per_layer_and_expert(tiny_checkpoints):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["mixtral"]), show_progress=False,
+    engine = build_engine(EngineConfig(model=str(tiny_checkpoints["mixtral"]), show_progress=False,
                                     cache=CacheConfig(kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)))
     engine.add_request("a", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():

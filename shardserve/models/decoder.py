@@ -2,7 +2,8 @@
 Mixtral, Qwen2-MoE, Qwen3-MoE): one implementation, shape-driven.
 
 Tokens of all sequences in a step are packed along one axis (`T`), so every matmul sees the whole
-batch; only attention looks at sequence boundaries, through `AttentionMetadata`.
+batch; only attention looks at sequence boundaries, through its backend's per-step metadata
+(layers/attention/). Which kernels run is the backend's choice, made by the loader, not here.
 """
 from __future__ import annotations
 
@@ -13,32 +14,24 @@ from torch import nn
 
 from shardserve.config import ModelConfig
 from shardserve.layers.activation import silu_and_mul
-from shardserve.layers.attention import AttentionMetadata, attend, paged_attention
-from shardserve.layers.cpu_kernels import load_rotary_kv
-from shardserve.engine.kv_cache import KVShape
+from shardserve.layers.attention.backend import AttentionBackend
+from shardserve.layers.attention.paged_kv import KVShape
+from shardserve.layers.attention.torch_backend import TorchAttention
+from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 from shardserve.layers.linear import Linear, default_weight_loader
 from shardserve.layers.norm import RMSNorm
-from shardserve.layers.rotary import RotaryEmbedding, apply_rotary
-from shardserve.models.lazy_tensor import LazyTensor, as_lazy
+from shardserve.layers.rotary import RotaryEmbedding
 from shardserve.models.moe import SparseMoeBlock, expert_param_name
+from shardserve.models.weight_names import WEIGHT_NAMES
 from shardserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.parallel.groups import GroupInfo, ParallelGroups
 from shardserve.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-# checkpoint sub-name -> (our fused parameter sub-name, shard index)
-FUSED_WEIGHTS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
 class Attention(nn.Module):
-    """Self-attention over this rank's heads (all of them with tp=1)."""
+    """Self-attention over this rank's heads (all of them with tp=1); the backend rotates,
+    stores this step's keys and values, and attends."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: GroupInfo):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: GroupInfo, backend: AttentionBackend):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_heads, config.num_kv_heads, self.head_dim,
@@ -46,31 +39,19 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, False, dtype, tp)
         self.scale = self.head_dim**-0.5
+        self.backend = backend
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        # On CPU one native op rotates q and k and stores k and v (Qwen3's qk-norm comes between
-        # the projection and the rotation: that path stays on torch ops)
-        on_cpu = self.qkv_proj.weight.device.type == "cpu"
-        self.rotary_kv = load_rotary_kv() if on_cpu and not config.qk_norm else None
 
-    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x, kv_cache, meta) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, H + 2 KV, D]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        if self.rotary_kv is not None:
-            q, k = self.rotary_kv(qkv, *cos_sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
-            out = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
-            return self.o_proj(out.reshape(num_tokens, -1))
-        qk = qkv[:, : self.num_heads + self.num_kv_heads]  # [T, H + KV, D]
-        if self.q_norm is not None:  # Qwen3: normalize each head over D, before rotary
-            q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads :].contiguous()
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [T, H + KV, D]
-        # rotate queries and keys in one pass: they are adjacent heads of the fused projection
-        qk = apply_rotary(qk, cos_sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, D]
+        if self.q_norm is not None:  # Qwen3: normalize each query and key head over D, before rotary
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            qkv = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v), dim=1)
+        out = self.backend.forward(qkv, cos_sin, kv_cache, meta, self.num_heads, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -97,10 +78,11 @@ def build_mlp(config: ModelConfig, dtype: torch.dtype, layer_id: int, groups: Pa
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_id: int, groups: ParallelGroups):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_id: int, groups: ParallelGroups,
+                 attention: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, groups.tp)
+        self.self_attn = Attention(config, dtype, groups.tp, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = build_mlp(config, dtype, layer_id, groups)
 
@@ -123,25 +105,24 @@ class DecoderModel(nn.Module):
     before the last returns its residual stream instead of normed hidden states."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int,
-                 groups: ParallelGroups | None = None):
+                 groups: ParallelGroups | None = None, attention: AttentionBackend | None = None):
         super().__init__()
         groups = groups or ParallelGroups.single()
         self.config = config
-        # The LM head rides on the last stage. It runs on one row per sequence per step, layers on
-        # every token: with prompts twice as long as outputs that is a third of the rows (measured
-        # on benchmarks/parallel_scaling.py: stage compute 15.4 vs 15.6 ms; at full weight 20.5 vs 10.0).
-        head_cost = config.vocab_size * config.hidden_size / 3
-        self.layer_ids = groups.config.stage_layers(config.active_params_per_layer(), head_cost)[groups.pp_rank]
+        self.attention = attention or TorchAttention()  # the loader passes the device's backend
+        self.weight_names = WEIGHT_NAMES[config.architecture]
+        self.layer_ids = groups.config.model_stages(config)[groups.pp_rank]
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, dtype)
         self.embed_tokens = self.norm = self.lm_head = None
         if groups.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, groups.tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, layer_id, groups) for layer_id in self.layer_ids)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, layer_id, groups, self.attention)
+                                    for layer_id in self.layer_ids)
         if groups.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, groups.tp)
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta,
                 hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if hidden_in is None else hidden_in  # [T, hidden]
         cos_sin = self.rotary.lookup(positions)
@@ -186,8 +167,8 @@ class DecoderModel(nn.Module):
 
     def _param_names(self, name: str) -> list[tuple[str, object]]:
         """Checkpoint name -> [(our parameter name, shard id)] on this rank (none: not ours)."""
-        name = name.removeprefix("model.")
-        if "rotary_emb" in name:
+        name = self.weight_names.canonical(name)
+        if name is None:
             return []
         if name == "embed_tokens.weight":
             tied = self.config.tie_word_embeddings and self.lm_head is not None
@@ -203,11 +184,7 @@ class DecoderModel(nn.Module):
                 return []
             parts[1] = str(layer_id - self.layer_ids.start)
             name = ".".join(parts)
-        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
         expert = expert_param_name(name)
         if expert is not None:  # routed experts: stacked parameters, shard_id = (expert_id, shard)
             return [expert]
-        for ckpt_part, (fused_part, shard) in FUSED_WEIGHTS.items():
-            if f".{ckpt_part}." in name:
-                return [(name.replace(ckpt_part, fused_part), shard)]
-        return [(name, None)]
+        return [self.weight_names.unfuse(name)]

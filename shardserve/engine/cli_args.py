@@ -1,0 +1,56 @@
+"""The engine's command-line flags, shared by every command that builds an engine (`serve`,
+`generate`, `profile`), and their translation into engine keyword arguments."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="HF folder, .gguf file, or 'smollm2' (embedded)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                        help="fraction of free memory for the KV cache when --kv-cache-memory is not set "
+                             "(default 0.85 on GPU, 0.1 on CPU)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    par = parser.add_argument_group("parallelism (see docs/parallelism.md)")
+    par.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
+    par.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
+    par.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1, help="expert-parallel ranks (MoE)")
+    par.add_argument("--num-micro-batches", type=int, default=None, help="pipeline micro-batches per step (default: pp)")
+    par.add_argument("--pp-partition", default=None, help="layers per stage, comma-separated, e.g. 10,14")
+    par.add_argument("--num-redundant-experts", type=int, default=0,
+                     help="extra expert slots per EP rank, for replicas of hot experts")
+    par.add_argument("--nnodes", type=int, default=1, help="hosts of this replica (without torchrun)")
+    par.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 .. nnodes-1")
+    par.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node 0, where the ranks meet")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed,
+        kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, num_micro_batches=args.num_micro_batches,
+        pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),
+        num_redundant_experts=args.num_redundant_experts,
+        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+    )
+
+
+def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    from shardserve.config import ConfigError
+
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None

@@ -1,0 +1,77 @@
+"""The CPU attention backend: native kernels (csrc/) where they pay, the reference path elsewhere.
+
+    rotary + KV store   one native op rotates queries and keys and stores keys and values
+                        (csrc/fused_elementwise.cpp; rounds as apply_rotary + write_kv do)
+    decodes             one native call for the whole batch, reading keys and values in place
+                        from the block pool: no gather, no padding (csrc/paged_decode_attention.cpp)
+    prefill chunks      the reference path's (torch_backend.py): SDPA is already oneDNN's kernel
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardserve.layers.attention.paged_kv import PagedCache, SeqSpan, padded_block_tables, slot_mapping, write_kv
+from shardserve.layers.attention.torch_backend import PrefillChunk, attend_prefills, prefill_chunks
+from shardserve.layers.cpu_kernels import load_paged_decode_attention, load_rotary_kv
+from shardserve.layers.rotary import apply_rotary
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token
+    num_decodes: int
+    block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded with block 0)
+    context_lens: torch.Tensor | None  # [num_decodes] int64
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class CpuNativeAttention:
+    name = "cpu_native"
+
+    def __init__(self):
+        self.decode_kernel = load_paged_decode_attention()
+        self.rotary_kv = load_rotary_kv()  # None: rotate and store with torch ops
+        if self.decode_kernel is None:
+            raise RuntimeError("the native CPU attention kernel is not available (no toolchain, or disabled)")
+
+    @staticmethod
+    def available() -> bool:
+        return load_paged_decode_attention() is not None
+
+    def build_metadata(self, spans: list[SeqSpan], num_decodes: int, cache: PagedCache) -> CpuAttentionMetadata:
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=cache.device)
+
+        table = lens = None
+        if num_decodes:
+            tables, context_lens = padded_block_tables(spans[:num_decodes], cache.block_size)
+            table, lens = tensor(tables), tensor(context_lens)
+        return CpuAttentionMetadata(tensor(slot_mapping(spans, cache.block_size)), num_decodes, table, lens,
+                                    prefill_chunks(spans, num_decodes, cache))
+
+    def forward(self, qkv, cos_sin, kv_cache, meta: CpuAttentionMetadata, num_heads: int, scale: float) -> torch.Tensor:
+        q, k = self._rotate_and_store(qkv, cos_sin, kv_cache, meta.slot_mapping, num_heads)
+        n = meta.num_decodes
+        decoded = None
+        if n:
+            decoded = self.decode_kernel(q[:n].contiguous(), kv_cache[0], kv_cache[1], meta.block_table,
+                                         meta.context_lens, scale)
+            if not meta.prefills:
+                return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:n] = decoded
+        v = qkv[:, num_heads + k.shape[1] :]
+        attend_prefills(out, q, k, v, kv_cache, meta.prefills, scale)
+        return out
+
+    def _rotate_and_store(self, qkv, cos_sin, kv_cache, slots, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated queries [T, H, D], rotated keys [T, KV, D]); keys and values stored at `slots`."""
+        if self.rotary_kv is not None and qkv.is_contiguous():
+            return self.rotary_kv(qkv, *cos_sin, kv_cache[0], kv_cache[1], slots, num_heads)
+        num_kv_heads = (qkv.shape[1] - num_heads) // 2
+        qk = apply_rotary(qkv[:, : num_heads + num_kv_heads], cos_sin)
+        write_kv(kv_cache[0], kv_cache[1], qk[:, num_heads:], qkv[:, num_heads + num_kv_heads :], slots)
+        return qk[:, :num_heads], qk[:, num_heads:]
