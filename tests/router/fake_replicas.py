@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from shardserve.config import RouterConfig
 from shardserve.router.forwarding import Forwarder
@@ -138,3 +139,16 @@ def in_flight(forwarder: Forwarder) -> dict[str, int]:
 
 def metric(forwarder: Forwarder, name: str, **labels: str) -> float:
     return forwarder.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def cancel_while_on_first_replica(forwarder: Forwarder, start, arrived: asyncio.Event) -> None:
+    """Start `start()` (a forwarding coroutine), wait until it sits on http://r0 (whose behaviour
+    is `hang(arrived)`), then cancel it as a departing client's request is cancelled."""
+    async def scenario():
+        task = asyncio.ensure_future(start())
+        await arrived.wait()
+        assert in_flight(forwarder)["http://r0"] == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(scenario())

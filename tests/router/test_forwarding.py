@@ -9,8 +9,8 @@ import pytest
 
 from shardserve.router.admission import RouterError
 from shardserve.router.replica_pool import ReplicaState
-from tests.router.fake_replicas import (FakeReplicas, answer, broken, busy, client_error, hang, in_flight,
-                                        make_forwarder, metric, unreachable)
+from tests.router.fake_replicas import (answer, broken, busy, cancel_while_on_first_replica, client_error,
+                                        FakeReplicas, hang, in_flight, make_forwarder, metric, unreachable)
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 1, "temperature": 0}
 ALL_IDLE = {"http://r0": 0, "http://r1": 0, "http://r2": 0}
@@ -76,15 +76,7 @@ def test_a_client_error_is_the_answer_and_no_failure():
 def test_a_request_cancelled_while_on_a_replica_releases_the_lease():
     arrived = asyncio.Event()
     forwarder = make_forwarder(FakeReplicas({"http://r0": hang(arrived), "http://r1": answer, "http://r2": answer}))
-
-    async def scenario():
-        task = asyncio.ensure_future(forwarder.complete("/v1/completions", BODY, "", 0.0))
-        await arrived.wait()
-        assert in_flight(forwarder)["http://r0"] == 1
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    asyncio.run(scenario())
+    cancel_while_on_first_replica(forwarder, lambda: forwarder.complete("/v1/completions", BODY, "", 0.0), arrived)
     assert in_flight(forwarder) == ALL_IDLE
     assert forwarder.pool.replicas["http://r0"].consecutive_failures == 0
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tests.router.fake_replicas import (FakeReplicas, broken, busy, client_error, hang, in_flight, make_forwarder,
-                                        metric, stream, unreachable)
+from tests.router.fake_replicas import (broken, busy, cancel_while_on_first_replica, client_error, FakeReplicas,
+                                        hang, in_flight, make_forwarder, metric, stream, unreachable)
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 6, "temperature": 0, "stream": True}
 ALL_IDLE = {"http://r0": 0, "http://r1": 0, "http://r2": 0}
@@ -142,13 +142,5 @@ def test_a_stream_start_cancelled_while_waiting_for_the_replica_releases_the_lea
     """The client's request cancelled before the replica answered (the old start kept its lease)."""
     arrived = asyncio.Event()
     forwarder = make_forwarder(FakeReplicas({"http://r0": hang(arrived), "http://r1": stream(), "http://r2": stream()}))
-
-    async def scenario():
-        task = asyncio.ensure_future(forwarder.open_stream("completion", "/v1/completions", BODY, "", 0.0))
-        await arrived.wait()
-        assert in_flight(forwarder)["http://r0"] == 1
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    asyncio.run(scenario())
+    cancel_while_on_first_replica(forwarder, lambda: forwarder.open_stream("completion", "/v1/completions", BODY, "", 0.0), arrived)
     assert in_flight(forwarder) == ALL_IDLE
