@@ -33,7 +33,6 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, executor: Executor):
         self.config = config
-        self.loaded = loaded
         self.executor = executor
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config

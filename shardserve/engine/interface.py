@@ -39,10 +39,6 @@ class SchedulerOutput:
     num_preemptions: int = 0
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
-
-    @property
     def is_empty(self) -> bool:
         return not self.seqs
 

@@ -26,7 +26,6 @@ class CommStats:
     """Seconds this rank spent inside collectives and transfers (shared by all its groups)."""
 
     seconds: float = 0.0
-    calls: int = 0
 
     @contextmanager
     def timed(self) -> Iterator[None]:
@@ -35,7 +34,6 @@ class CommStats:
             yield
         finally:
             self.seconds += time.perf_counter() - start
-            self.calls += 1
 
 
 @dataclass(frozen=True)

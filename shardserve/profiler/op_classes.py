@@ -115,9 +115,6 @@ class ClassSplit:
     def total_s(self) -> float:
         return sum(self.phase_total_s(p) for p in PHASES)
 
-    def class_total_s(self, cls: str) -> float:
-        return sum(self.seconds[p][cls] for p in PHASES)
-
 
 def _scope(label: str) -> tuple[str, str, str] | None:
     """(phase or None, inner class, own class) of a label event name, None for other events."""
