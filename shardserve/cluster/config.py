@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shardserve.config import ConfigError, RouterConfig
-
-DTYPES = ("float32", "bfloat16", "float16")
+from shardserve.dtypes import ENGINE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -157,8 +156,8 @@ def _group(data: Any, where: str, base_dir: Path | None) -> ReplicaGroup:
     values = _values(ReplicaGroup, data, where, skip={"layout", "serve_args", "autoscale", "model"})
     group = ReplicaGroup(**values, model=model, layout=layout, autoscale=autoscale,
                          serve_args=tuple(str(a) for a in serve_args))
-    if group.dtype not in DTYPES:
-        raise ConfigError(f"{where}.dtype: one of {', '.join(DTYPES)}, got {group.dtype!r}")
+    if group.dtype not in ENGINE_DTYPES:
+        raise ConfigError(f"{where}.dtype: one of {', '.join(ENGINE_DTYPES)}, got {group.dtype!r}")
     if group.replicas < 1:
         raise ConfigError(f"{where}.replicas: must be at least 1")
     if autoscale and not autoscale.min_replicas <= group.replicas <= autoscale.max_replicas:

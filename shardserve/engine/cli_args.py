@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from shardserve.dtypes import ENGINE_DTYPES
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="HF folder, .gguf file, or 'smollm2' (embedded)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=ENGINE_DTYPES)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")

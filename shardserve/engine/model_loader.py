@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.config import ConfigError, EngineConfig, ModelConfig
+from shardserve.dtypes import ENGINE_DTYPES
 from shardserve.engine.kv_cache import KVCache, kv_budget_bytes
 from shardserve.layers.attention.backend import AttentionBackend, attention_backend
 from shardserve.layers.attention.paged_kv import KVShape
@@ -16,7 +17,7 @@ from shardserve.models.tokenizer import Tokenizer, load_tokenizer
 from shardserve.parallel.comm import agree_on_min
 from shardserve.parallel.groups import ParallelGroups
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in ENGINE_DTYPES}  # the table: shardserve/dtypes.py
 
 
 @dataclass

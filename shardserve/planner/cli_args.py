@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from shardserve.dtypes import ALL_DTYPES
+
 _DEFAULT_SLO = "ttft_ms=2000,tpot_ms=200"  # MLPerf's Llama-2-70B server targets (p99 there, means here)
 
 
@@ -28,7 +30,7 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--osl", type=int, default=256, help="mean output length in tokens")
     p.add_argument("--qps", type=float, default=None, help="arrival rate to serve, requests/s (Poisson)")
     p.add_argument("--slo", default=_DEFAULT_SLO, help=f"mean latency targets (default {_DEFAULT_SLO}; also e2e_ms)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8", "float32"],
+    p.add_argument("--dtype", default="bfloat16", choices=ALL_DTYPES,
                    help="weights and KV cache dtype")
     p.add_argument("--what-if", default=None, help="plan on modified devices, e.g. mem_bw=2x,flops=1.5x,memory=1.5x,"
                                                    "price=0.8x (also intra_bw, inter_bw, power)")

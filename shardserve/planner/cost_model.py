@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shardserve.config import ConfigError, ModelConfig, ParallelConfig
+from shardserve.dtypes import dtype_bytes_of
 from shardserve.planner.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
@@ -43,15 +44,6 @@ from shardserve.planner.rank_shards import (
     StagePlan, attention_linear_params_per_rank, dense_mlp_params_per_rank, expert_params, kv_heads_per_rank,
     routed_expert_params_per_rank, shared_expert_params_per_rank, stage_plans,
 )
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float8": 1, "float32": 4}
-
-
-def dtype_bytes_of(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
-
 
 @dataclass(frozen=True)
 class Deployment:
@@ -73,7 +65,7 @@ class Deployment:
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return dtype_bytes_of(self.dtype)
 
     @property
     def world_size(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from shardserve.config import ConfigError
+from shardserve.dtypes import ENGINE_DTYPES
 
 CATALOG_PATH = Path(__file__).with_name("hardware_catalog.yaml")
 
@@ -230,9 +231,9 @@ def measure_this_host(dtype: str = "bfloat16", device: str | None = None, matmul
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
-    if torch_dtype is None:
-        raise ConfigError(f"measure_this_host: unsupported dtype {dtype!r} (bfloat16, float16, float32)")
+    if dtype not in ENGINE_DTYPES:  # a dtype torch can multiply in
+        raise ConfigError(f"measure_this_host: unsupported dtype {dtype!r} ({', '.join(ENGINE_DTYPES)})")
+    torch_dtype = getattr(torch, dtype)
 
     def best_time_s(fn) -> float:
         fn()  # warm-up: allocator, kernel selection, page faults

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from shardserve.bench.stats import SLO
 from shardserve.config import ConfigError, ModelConfig, ParallelConfig
-from shardserve.planner.cost_model import Deployment, dtype_bytes_of
+from shardserve.dtypes import dtype_bytes_of
+from shardserve.planner.cost_model import Deployment
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit

@@ -16,6 +16,8 @@ import argparse
 import dataclasses
 import time
 
+from shardserve.dtypes import ALL_DTYPES
+
 DEFAULT_POLICY = "least_outstanding"
 
 
@@ -28,7 +30,7 @@ def add_simulate_parser(subparsers) -> None:
     p.add_argument("--hardware", default="this-host",
                    help="catalog device (H100, ...) or this-host (as --calibration recorded it, else measured now)")
     p.add_argument("--calibration", default=None, help="efficiency factors from `shardserve profile` (JSON)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=ALL_DTYPES)
     p.add_argument("--replicas", type=int, default=1, help="replicas behind the router")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help="round_robin | least_outstanding | power_of_two | prefix_aware")

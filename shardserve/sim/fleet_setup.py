@@ -14,7 +14,7 @@ for "free" on an accelerator, and this machine's available memory less the weigh
 from __future__ import annotations
 
 from shardserve.config import ConfigError, ModelConfig, ParallelConfig
-from shardserve.planner.cost_model import Deployment, dtype_bytes_of
+from shardserve.planner.cost_model import Deployment
 from shardserve.planner.efficiency import Calibration, Efficiency, load_calibration
 from shardserve.planner.hardware import Hardware, get_hardware, normalize_device_name
 from shardserve.planner.memory_fit import kv_bytes_per_token_per_rank, weight_bytes_per_rank
@@ -59,7 +59,7 @@ def engine_num_kv_blocks(dep: Deployment, block_size: int, max_model_len: int,
                          kv_cache_memory_fraction: float | None = None) -> int:
     """KV blocks per replica as the engine would allocate them (module docstring). ConfigError,
     worded like the engine's, when they cannot hold one full context."""
-    dtype_bytes = dtype_bytes_of(dep.dtype)
+    dtype_bytes = dep.dtype_bytes
     block_bytes = kv_bytes_per_token_per_rank(dep.model, dep.parallel, dtype_bytes) * block_size
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
