@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardserve import param_counts
+
 # HF `architectures[0]` -> our family name. Families share one model implementation.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -77,30 +79,27 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied; every expert counted)."""
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
-        dense_mlp = 3 * self.hidden_size * self.intermediate_size
-        router = self.hidden_size * self.num_experts
-        moe_mlp = router + self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
-        if self.shared_expert_intermediate_size:  # the expert and its sigmoid gate
-            moe_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+        moe_mlp = (param_counts.router_params(self) + self.num_experts * param_counts.expert_params(self)
+                   + param_counts.shared_expert_params(self) + param_counts.shared_expert_gate_params(self))
         num_moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers))
-        mlp = num_moe_layers * moe_mlp + (self.num_layers - num_moe_layers) * dense_mlp
+        mlp = num_moe_layers * moe_mlp + (self.num_layers - num_moe_layers) * param_counts.dense_mlp_params(self)
+        per_layer = param_counts.attention_params(self) + param_counts.layer_norm_params(self)
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + norms) + mlp + embed + self.hidden_size
+        return self.num_layers * per_layer + mlp + embed + self.hidden_size
 
     def active_params_per_layer(self) -> list[int]:
         """Weights one token multiplies by in each layer (its top-k experts, not all of them):
-        the per-layer cost a pipeline split balances."""
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        dense_mlp = 3 * self.hidden_size * self.intermediate_size
-        moe_mlp = (self.hidden_size * self.num_experts
-                   + 3 * self.hidden_size * (self.num_experts_per_token * self.moe_intermediate_size
-                                             + self.shared_expert_intermediate_size))
-        return [attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.num_layers)]
+        the per-layer cost a pipeline split balances. The shared expert's gate (one hidden-size
+        vector; the cost model's FLOPs count it) is left out: negligible, yet counting it could
+        move the split of a model already deployed."""
+        attention = param_counts.attention_params(self)
+        dense = attention + param_counts.dense_mlp_params(self)
+        routed = self.num_experts_per_token * param_counts.expert_params(self)
+        moe = attention + param_counts.router_params(self) + routed + param_counts.shared_expert_params(self)
+        return [moe if self.is_moe_layer(i) else dense for i in range(self.num_layers)]
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.num_layers * param_counts.kv_values_per_token(self) * dtype_bytes
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":

@@ -37,13 +37,17 @@ from dataclasses import dataclass, field
 
 from shardserve.config import ConfigError, ModelConfig, ParallelConfig
 from shardserve.dtypes import dtype_bytes_of
+from shardserve.param_counts import (
+    attention_params, dense_mlp_params, expert_params, o_params, qkv_params, router_params,
+)
 from shardserve.planner.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
+from shardserve.planner.memory_fit import stage_kv_bytes_per_token
 from shardserve.planner.rank_shards import (
-    StagePlan, attention_linear_params_per_rank, dense_mlp_params_per_rank, expert_params, kv_heads_per_rank,
-    routed_expert_params_per_rank, shared_expert_params_per_rank, stage_plans,
+    StagePlan, routed_expert_params_per_rank, shared_expert_params_per_rank, stage_plans,
 )
+
 
 @dataclass(frozen=True)
 class Deployment:
@@ -110,14 +114,13 @@ def layer_flops(model: ModelConfig, num_tokens: int, context_len: int, layer_id:
         router = 2 T h E                             (MoE layer)
         attn  = 4 heads d * num_attended_pairs(T, C) (QK^T and PV; = 4 T C heads d for decode)
     """
-    t, h, d = num_tokens, model.hidden_size, model.head_dim
-    qkv = 2 * t * h * d * (model.num_heads + 2 * model.num_kv_heads)
-    o = 2 * t * model.num_heads * d * h
-    attention = 4 * model.num_heads * d * num_attended_pairs(num_tokens, context_len)
+    t = num_tokens
+    qkv, o = 2 * t * qkv_params(model), 2 * t * o_params(model)
+    attention = 4 * model.num_heads * model.head_dim * num_attended_pairs(num_tokens, context_len)
     if not model.is_moe_layer(layer_id):
-        return LayerFlops(qkv, o, 2 * t * 3 * h * model.intermediate_size, 0, attention)
+        return LayerFlops(qkv, o, 2 * t * dense_mlp_params(model), 0, attention)
     active = model.num_experts_per_token * expert_params(model) + shared_expert_params_per_rank(model, 1)
-    return LayerFlops(qkv, o, 2 * t * active, 2 * t * h * model.num_experts, attention)
+    return LayerFlops(qkv, o, 2 * t * active, 2 * t * router_params(model), attention)
 
 
 def fraction_of_experts_hit(model: ModelConfig, num_tokens: float) -> float:
@@ -285,8 +288,7 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWo
     tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
     tokens = load.num_tokens
     # Params every token multiplies by, and params read from memory, on this rank.
-    token_params = (stage.num_layers * attention_linear_params_per_rank(model, tp)
-                    + stage.num_dense_layers * dense_mlp_params_per_rank(model, tp))
+    token_params = stage.num_layers * attention_params(model, tp) + stage.num_dense_layers * dense_mlp_params(model, tp)
     gemm_flops, read_params = 2 * tokens * token_params, float(token_params)
     if stage.num_moe_layers:
         shared = shared_expert_params_per_rank(model, tp)
@@ -295,16 +297,17 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWo
         routed_rows = tokens * model.num_experts_per_token / ep
         row_params = expert_params(model) / (tp if ep == 1 else 1)
         router_tokens = tokens / ep
-        per_layer_flops = 2 * (tokens * shared + router_tokens * h * model.num_experts + routed_rows * row_params)
+        router = router_params(model)
+        per_layer_flops = 2 * (tokens * shared + router_tokens * router + routed_rows * row_params)
         resident = routed_expert_params_per_rank(model, par) * fraction_of_experts_hit(model, tokens)
         gemm_flops += stage.num_moe_layers * per_layer_flops
-        read_params += stage.num_moe_layers * (shared + h * model.num_experts + resident)
+        read_params += stage.num_moe_layers * (shared + router + resident)
     if stage.is_last:  # LM head on one row per sequence
         head_params = math.ceil(model.vocab_size / tp) * h
         gemm_flops += 2 * load.num_seqs * head_params
         read_params += head_params
     attn_flops_per_pair = stage.num_layers * 4 * (model.num_heads / tp) * model.head_dim
-    kv_token_bytes = 2 * stage.num_layers * kv_heads_per_rank(model, tp) * model.head_dim * dep.dtype_bytes
+    kv_token_bytes = stage_kv_bytes_per_token(model, tp, stage, dep.dtype_bytes)
     return _StageWork(gemm_flops, read_params * dep.dtype_bytes, attn_flops_per_pair * load.num_pairs,
                       load.num_context_tokens * kv_token_bytes, attn_flops_per_pair * load.num_decode_pairs)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 from shardserve.config import ModelConfig, ParallelConfig
+from shardserve.param_counts import kv_values_per_token
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.rank_shards import StagePlan, kv_heads_per_rank, stage_params_per_rank, stage_plans
+from shardserve.planner.rank_shards import StagePlan, stage_params_per_rank, stage_plans
 
 
 def kv_bytes_per_token(model: ModelConfig, dtype_bytes: int) -> int:
@@ -15,15 +16,16 @@ def kv_bytes_per_token(model: ModelConfig, dtype_bytes: int) -> int:
     return model.kv_bytes_per_token(dtype_bytes)
 
 
-def _stage_kv_bytes_per_token(model: ModelConfig, par: ParallelConfig, stage: StagePlan, dtype_bytes: int) -> int:
-    return 2 * stage.num_layers * kv_heads_per_rank(model, par.tp_size) * model.head_dim * dtype_bytes
+def stage_kv_bytes_per_token(model: ModelConfig, tp: int, stage: StagePlan, dtype_bytes: int) -> int:
+    """KV bytes one token takes on one rank of `stage`: its layers' K and V heads on that rank."""
+    return stage.num_layers * kv_values_per_token(model, tp) * dtype_bytes
 
 
 def kv_bytes_per_token_per_rank(model: ModelConfig, par: ParallelConfig, dtype_bytes: int) -> int:
     """KV bytes per token on the busiest rank: 2 * stage layers * kv_heads_per_rank * head_dim *
     bytes. Ranks beyond tp in an ep > tp stage repeat attention, so ep does not shrink it."""
     par.validate(model)
-    return max(_stage_kv_bytes_per_token(model, par, s, dtype_bytes) for s in stage_plans(model, par))
+    return max(stage_kv_bytes_per_token(model, par.tp_size, s, dtype_bytes) for s in stage_plans(model, par))
 
 
 def weight_bytes_per_rank(model: ModelConfig, par: ParallelConfig, dtype_bytes: int) -> int:
@@ -41,7 +43,7 @@ def max_batch_tokens(model: ModelConfig, par: ParallelConfig, hw: Hardware, dtyp
     tokens = []
     for stage in stage_plans(model, par):
         free_bytes = hw.memory_bytes * mem_fraction - stage_params_per_rank(model, par, stage) * dtype_bytes
-        tokens.append(max(0, int(free_bytes // _stage_kv_bytes_per_token(model, par, stage, dtype_bytes))))
+        tokens.append(max(0, int(free_bytes // stage_kv_bytes_per_token(model, par.tp_size, stage, dtype_bytes))))
     return min(tokens)
 
 

@@ -1,5 +1,5 @@
 """What one rank of a replica holds, under the engine's layout (shardserve/config.py ParallelConfig,
-docs/parallelism.md), counted in parameters:
+docs/parallelism.md), counted in parameters (each part's count: shardserve/param_counts.py):
 
     stage = max(tp, ep) ranks; attention and dense MLPs are tensor-parallel over runs of tp ranks
     (repeated ep / tp times when ep > tp); KV heads split over tp, one replicated head per rank
@@ -16,6 +16,10 @@ import math
 from dataclasses import dataclass
 
 from shardserve.config import ModelConfig, ParallelConfig
+from shardserve.param_counts import (
+    attention_params, dense_mlp_params, expert_params, layer_norm_params, router_params, shared_expert_gate_params,
+    shared_expert_params,
+)
 
 
 @dataclass(frozen=True)
@@ -42,36 +46,9 @@ def stage_plans(model: ModelConfig, par: ParallelConfig) -> tuple[StagePlan, ...
     return tuple(plans)
 
 
-def kv_heads_per_rank(model: ModelConfig, tp: int) -> int:
-    # tp > kv heads: each rank keeps one (replicated) kv head.
-    return max(1, model.num_kv_heads // tp)
-
-
-def attention_linear_params_per_rank(model: ModelConfig, tp: int) -> int:
-    """q and o: hidden x heads/tp x head_dim each; k and v: hidden x kv_heads_per_rank x head_dim."""
-    h, d = model.hidden_size, model.head_dim
-    return 2 * h * d * model.num_heads // tp + 2 * h * d * kv_heads_per_rank(model, tp)
-
-
-def layer_norm_params(model: ModelConfig) -> int:
-    """Two RMSNorms per layer (and Qwen3's q/k norms), replicated on every rank."""
-    return 2 * model.hidden_size + (2 * model.head_dim if model.qk_norm else 0)
-
-
-def dense_mlp_params_per_rank(model: ModelConfig, tp: int) -> int:
-    return 3 * model.hidden_size * model.intermediate_size // tp
-
-
-def expert_params(model: ModelConfig) -> int:
-    """One gated routed expert (gate, up, down): 3 x hidden x moe_intermediate_size."""
-    return 3 * model.hidden_size * model.moe_intermediate_size
-
-
 def shared_expert_params_per_rank(model: ModelConfig, tp: int) -> int:
     """The shared expert's tp slice plus its (replicated) sigmoid gate; 0 without one."""
-    if not model.shared_expert_intermediate_size:
-        return 0
-    return 3 * model.hidden_size * model.shared_expert_intermediate_size // tp + model.hidden_size
+    return shared_expert_params(model, tp) + shared_expert_gate_params(model)
 
 
 def routed_expert_params_per_rank(model: ModelConfig, par: ParallelConfig) -> int:
@@ -84,8 +61,8 @@ def routed_expert_params_per_rank(model: ModelConfig, par: ParallelConfig) -> in
 
 def moe_layer_params_per_rank(model: ModelConfig, par: ParallelConfig) -> int:
     """Router (replicated) + shared expert slice + resident routed experts."""
-    router = model.hidden_size * model.num_experts
-    return router + shared_expert_params_per_rank(model, par.tp_size) + routed_expert_params_per_rank(model, par)
+    return (router_params(model) + shared_expert_params_per_rank(model, par.tp_size)
+            + routed_expert_params_per_rank(model, par))
 
 
 def stage_params_per_rank(model: ModelConfig, par: ParallelConfig, stage: StagePlan) -> int:
@@ -93,8 +70,8 @@ def stage_params_per_rank(model: ModelConfig, par: ParallelConfig, stage: StageP
     (first stage) and the LM head and final norm (last stage), each ceil(vocab / tp) rows; a tied
     head shares the embedding's rows only when both sit on the same stage."""
     tp = par.tp_size
-    per_layer = attention_linear_params_per_rank(model, tp) + layer_norm_params(model)
-    params = stage.num_layers * per_layer + stage.num_dense_layers * dense_mlp_params_per_rank(model, tp)
+    per_layer = attention_params(model, tp) + layer_norm_params(model)
+    params = stage.num_layers * per_layer + stage.num_dense_layers * dense_mlp_params(model, tp)
     if stage.num_moe_layers:
         params += stage.num_moe_layers * moe_layer_params_per_rank(model, par)
     vocab_matrix = math.ceil(model.vocab_size / tp) * model.hidden_size
