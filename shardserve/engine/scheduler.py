@@ -28,6 +28,13 @@ from shardserve.engine.interface import ModelRunnerOutput, NewRequestData, Sched
 from shardserve.request import FinishReason, Request, RequestStatus
 
 
+def max_num_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """The stop rule's length limit: a request finishes (FinishReason.LENGTH) once it holds this
+    many tokens, prompt and output together, at its max_tokens or at the context window, whichever
+    comes first. Pure, so the simulator plans finishes with it (sim/decode_group.py)."""
+    return min(prompt_len + max_tokens, max_model_len)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
@@ -183,7 +190,7 @@ class Scheduler:
                 return self._finish_running(req, FinishReason.STOP, None)
             if token_id in params.stop_token_ids:
                 return self._finish_running(req, FinishReason.STOP, token_id)
-        if num_output >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_tokens >= max_num_tokens(len(req.prompt_token_ids), params.max_tokens, self.max_model_len):
             self._finish_running(req, FinishReason.LENGTH, None)
 
     def _finish_running(self, req: Request, reason: FinishReason, stop_reason) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-from shardserve.engine.scheduler import Scheduler
+from shardserve.engine.scheduler import Scheduler, max_num_tokens
 from shardserve.sim.sim_request import SimRequest
 
 SCHEDULE, UPDATE = 0, 1  # the two phases of a step, in order
@@ -71,16 +71,18 @@ class DecodeGroup:
             return False
         return not self.blocks.enable_prefix_caching or req.num_published_blocks == computed // self.block_size
 
+    def length_limit(self, req: SimRequest) -> int:
+        """Tokens (prompt + output) at which `req` finishes: the Scheduler's own rule."""
+        return max_num_tokens(len(req.prompt_token_ids), req.params.max_tokens, self.scheduler.max_model_len)
+
     def join(self, req: SimRequest, step: int) -> None:
         """Add a request that decodes from `step` on; the caller has replayed every event before
         `step` and removed it from Scheduler.running."""
         if (self.next_step, self.next_phase) != (step, SCHEDULE):
             raise RuntimeError(f"decode group: join at step {step}, events replayed to {self.next_step}")
         delta = req.num_computed_tokens - step
-        prompt_len = len(req.prompt_token_ids)
-        # the update of step s leaves s + delta + 2 tokens: finished by max_tokens or the context window
-        req.finish_step = min(req.params.max_tokens + prompt_len - 2 - delta,
-                              self.scheduler.max_model_len - 2 - delta)
+        # the update of step s leaves s + delta + 2 tokens, and finishes it at the scheduler's limit
+        req.finish_step = self.length_limit(req) - 2 - delta
         req.decode_delta, req.group_first_step = delta, step
         self.buckets[delta % self.block_size].append(req)
         heapq.heappush(self.finishes, (req.finish_step, req.arrival_seq, req))

@@ -240,17 +240,18 @@ class SimReplica:
         running = scheduler.running
         if scheduler.waiting or len(sched.seqs) != len(running) or (group.finishes and group.next_finish_step == step):
             return None
-        max_model_len = self.setup.max_model_len
         num_decodes, offset_sum = group.size, group.context_offset_sum
         next_finish = group.next_finish_step if group.finishes else None
         for req, seq in zip(running, sched.seqs):
             computed = seq.start_pos + seq.num_tokens
             if seq.req_id != req.req_id or not seq.sample or req.priority != 0:
                 return None
-            if len(req.output_token_ids) + 1 >= req.params.max_tokens or computed + 1 >= max_model_len:
+            # its prompt completes (computed == its tokens): this step's token makes computed + 1
+            limit = group.length_limit(req)
+            if computed + 1 >= limit:
                 continue  # finishes with this token: does not join
-            delta = computed - (step + 1)  # as DecodeGroup.join will set it
-            finish = min(req.params.max_tokens + len(req.prompt_token_ids) - 2 - delta, max_model_len - 2 - delta)
+            delta = computed - (step + 1)  # as DecodeGroup.join will set it, and its finish_step:
+            finish = limit - 2 - delta
             next_finish = finish if next_finish is None else min(next_finish, finish)
             num_decodes += 1
             offset_sum += delta + 1
