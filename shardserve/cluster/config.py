@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardserve.config import ConfigError, RouterConfig
+from shardserve.config import ConfigError, ParallelConfig, RouterConfig
 from shardserve.dtypes import ENGINE_DTYPES
 
 
@@ -39,8 +39,13 @@ class Layout:
     ep: int = 1
 
     @property
+    def parallel(self) -> ParallelConfig:
+        """The engine's view of this layout: it owns the rank arithmetic."""
+        return ParallelConfig(tp_size=self.tp, pp_size=self.pp, ep_size=self.ep)
+
+    @property
     def world_size(self) -> int:
-        return self.pp * max(self.tp, self.ep)
+        return self.parallel.world_size
 
     def as_dict(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "world_size": self.world_size}
@@ -234,7 +239,6 @@ def _no_unknown(data: dict, known: set[str], where: str) -> None:
 def check_layout(model: str, layout: Layout) -> None:
     """Raise ConfigError (one sentence) unless `layout` can split `model`. Reads the checkpoint's
     config and headers only, so a bad layout is refused before any process starts."""
-    from shardserve.config import ParallelConfig
     from shardserve.models.checkpoint import load_checkpoint
 
-    ParallelConfig(tp_size=layout.tp, pp_size=layout.pp, ep_size=layout.ep).validate(load_checkpoint(model).config)
+    layout.parallel.validate(load_checkpoint(model).config)
