@@ -61,6 +61,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
+    from shardserve.cluster.reshard import ReshardState
+
     url = args.url.rstrip("/")
     body = {k: getattr(args, k) for k in ("group", "tp", "pp", "ep", "replicas") if getattr(args, k) is not None}
     try:
@@ -74,14 +76,14 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     if args.no_wait:
         return 0
     deadline = time.monotonic() + args.timeout
-    while progress["state"] in ("starting", "draining"):
+    while ReshardState(progress["state"]).running:
         if time.monotonic() > deadline:
             print(f"shardserve: still {progress['state']} after {args.timeout:.0f} s; see {url}/admin/cluster",
                   file=sys.stderr)
             return 1
         time.sleep(POLL_S)
         progress = _get_status(url)["reshard"]
-    if progress["state"] != "done":
+    if progress["state"] != ReshardState.DONE:
         print(f"shardserve: reshard failed, the old layout still serves: {progress['error']}", file=sys.stderr)
         return 1
     print(f"resharded {progress['group']} in {progress['elapsed_s']:.1f} s")

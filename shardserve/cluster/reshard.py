@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import time
 from dataclasses import dataclass
 
 from shardserve.cluster.config import Layout, ReplicaGroup, check_layout
-from shardserve.cluster.supervisor import ManagedReplica, Supervisor
+from shardserve.cluster.supervisor import ManagedReplica, MemberState, Supervisor
 from shardserve.config import ConfigError
 
 POLL_S = 0.2
@@ -35,6 +36,20 @@ class ReshardError(Exception):
         self.status, self.message = status, message
 
 
+class ReshardState(enum.StrEnum):
+    """starting -> draining -> done, or failed (from either). A str enum: /admin/cluster and
+    `shardserve cluster reshard`, which polls it, see the plain names."""
+
+    STARTING = "starting"
+    DRAINING = "draining"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def running(self) -> bool:
+        return self in (ReshardState.STARTING, ReshardState.DRAINING)
+
+
 @dataclass
 class ReshardProgress:
     group: str
@@ -42,14 +57,14 @@ class ReshardProgress:
     from_replicas: int
     to_layout: Layout
     to_replicas: int
-    state: str = "starting"  # starting -> draining -> done, or failed
+    state: ReshardState = ReshardState.STARTING
     error: str | None = None
     started_s: float = dataclasses.field(default_factory=time.monotonic)
     finished_s: float | None = None
 
     @property
     def running(self) -> bool:
-        return self.state in ("starting", "draining")
+        return self.state.running
 
     def as_dict(self) -> dict:
         end_s = self.finished_s or time.monotonic()
@@ -98,21 +113,21 @@ async def run_reshard(supervisor: Supervisor, progress: ReshardProgress, new_gro
         if error is not None:
             for m in new:
                 supervisor.retire(m, time.monotonic())
-            progress.state, progress.error = "failed", error
+            progress.state, progress.error = ReshardState.FAILED, error
             return
-        progress.state = "draining"
+        progress.state = ReshardState.DRAINING
         old = [m for m in supervisor.members(name) if m not in new]
         supervisor.set_group(new_group, time.monotonic())
         for m in old:
             supervisor.retire(m, time.monotonic())
         while any(m.name in supervisor.replicas or (m.process and m.process.exit_code() is None) for m in old):
             await asyncio.sleep(POLL_S)  # the supervisor stops each once idle (or at its drain timeout)
-        progress.state = "done"
+        progress.state = ReshardState.DONE
     except asyncio.CancelledError:
-        progress.state, progress.error = "failed", "the cluster stopped during the reshard"
+        progress.state, progress.error = ReshardState.FAILED, "the cluster stopped during the reshard"
         raise
     except Exception as exc:  # noqa: BLE001 - reported in the status, not lost in a task
-        progress.state, progress.error = "failed", f"{type(exc).__name__}: {exc}"
+        progress.state, progress.error = ReshardState.FAILED, f"{type(exc).__name__}: {exc}"
         raise
     finally:
         supervisor.paused.discard(name)
@@ -123,7 +138,7 @@ async def _wait_serving(new: list[ManagedReplica], timeout_s: float) -> str | No
     """None once every new replica serves; else why not. A crash while starting fails the
     reshard at once, rather than after restarts: the layout itself may be what is wrong."""
     deadline = time.monotonic() + timeout_s
-    while not all(m.state == "serving" for m in new):
+    while not all(m.state == MemberState.SERVING for m in new):
         crashed = next((m for m in new if m.consecutive_crashes), None)
         if crashed is not None:
             return f"new replica {crashed.name} did not start: {crashed.last_error}; see {crashed.process.log_path}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -32,19 +33,33 @@ from shardserve.cluster.config import ClusterConfig, ReplicaGroup
 from shardserve.cluster.devices import DevicePool
 from shardserve.cluster.replica_process import ReplicaProcess
 from shardserve.router.app import Router
+from shardserve.router.replica_pool import ReplicaState
 from shardserve.ports import free_port
 
 log = logging.getLogger(__name__)
 
-ACTIVE_STATES = ("backoff", "starting", "serving")  # counted toward the group's target
 DEVICE_RETRY_S = 1.0
+
+
+class MemberState(enum.StrEnum):
+    """Where a supervised replica is in its life (the diagram above). A str enum: /admin/cluster
+    and the logs show the plain names ("serving")."""
+
+    BACKOFF = "backoff"
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+# counted toward the group's target, in the order reconcile retires a surplus (cheapest to lose first)
+ACTIVE_STATES = (MemberState.BACKOFF, MemberState.STARTING, MemberState.SERVING)
 
 
 @dataclass
 class ManagedReplica:
     name: str  # "<group>-<n>", kept across restarts
     group: ReplicaGroup  # what it runs, layout included
-    state: str = "backoff"  # backoff | starting | serving | draining
+    state: MemberState = MemberState.BACKOFF
     process: ReplicaProcess | None = None  # the current (or last) process
     restart_at_s: float = 0.0
     num_restarts: int = 0
@@ -91,11 +106,11 @@ class Supervisor:
                 self.reconcile(name, now)
 
     def _check(self, m: ManagedReplica, now: float) -> None:
-        if m.state == "backoff" and now >= m.restart_at_s:
+        if m.state == MemberState.BACKOFF and now >= m.restart_at_s:
             self._start(m, now)
-        elif m.state == "serving":
+        elif m.state == MemberState.SERVING:
             self._check_serving(m, now)
-        elif m.state == "draining":
+        elif m.state == MemberState.DRAINING:
             routed = self.router.pool.replicas.get(m.process.url)
             idle = routed is None or routed.outstanding == 0
             exited = m.process.exit_code() is not None
@@ -110,11 +125,11 @@ class Supervisor:
             self._crashed(m, f"exited with code {code}", now)
             return
         routed = self.router.pool.replicas.get(m.process.url)
-        if routed is None or routed.state == "draining":  # an operator drained it via the router
+        if routed is None or routed.state == ReplicaState.DRAINING:  # an operator drained it via the router
             log.info("replica %s was drained through the router; replacing it", m.name)
             self.retire(m, now)
             return
-        if routed.state == "healthy":
+        if routed.state == ReplicaState.HEALTHY:
             m.unhealthy_since_s = None
         else:
             if m.unhealthy_since_s is None:
@@ -148,21 +163,21 @@ class Supervisor:
             return
         if m.process is not None:
             m.num_restarts += 1
-        m.process, m.state = process, "starting"
+        m.process, m.state = process, MemberState.STARTING
         log.info("replica %s (%s) starting on %s, pid %d", m.name, m.group.layout, process.url, process.pid)
         self.background(self._await_ready(m, process))
 
     async def _await_ready(self, m: ManagedReplica, process: ReplicaProcess) -> None:
         error = await process.wait_ready(self.client, self.config.startup_timeout_s)
-        if m.process is not process or m.state != "starting":
+        if m.process is not process or m.state != MemberState.STARTING:
             return  # retired while it started
         if error is not None:
             self._crashed(m, error, time.monotonic())
             return
         routed = self.router.pool.add(process.url)
         await self.router.health.check(routed)  # reads its model card (layout) and load
-        if m.process is process and m.state == "starting":
-            m.state, m.serving_since_s, m.unhealthy_since_s = "serving", time.monotonic(), None
+        if m.process is process and m.state == MemberState.STARTING:
+            m.state, m.serving_since_s, m.unhealthy_since_s = MemberState.SERVING, time.monotonic(), None
             log.info("replica %s serving at %s", m.name, process.url)
 
     def _crashed(self, m: ManagedReplica, reason: str, now: float) -> None:
@@ -176,15 +191,15 @@ class Supervisor:
                       self.config.restart_backoff_s * 2 ** (m.consecutive_crashes - 1))
         log.warning("replica %s %s%s; restarting in %.1f s", m.name, reason, detail, delay_s)
         m.last_error = reason
-        m.state, m.restart_at_s, m.serving_since_s = "backoff", now + delay_s, None
+        m.state, m.restart_at_s, m.serving_since_s = MemberState.BACKOFF, now + delay_s, None
 
     def retire(self, m: ManagedReplica, now: float) -> None:
         """Take `m` out of service: drain it if it serves, else stop it now."""
-        if m.state == "serving":
+        if m.state == MemberState.SERVING:
             self.router.pool.drain(m.process.url)
-            m.state, m.drain_started_s = "draining", now
+            m.state, m.drain_started_s = MemberState.DRAINING, now
             log.info("replica %s draining (%d in flight)", m.name, self._outstanding(m))
-        elif m.state != "draining":
+        elif m.state != MemberState.DRAINING:
             self._forget(m)
 
     def background(self, coroutine) -> asyncio.Task:
@@ -243,8 +258,9 @@ class Supervisor:
             self.targets[name] = decision.target
 
     def group_load(self, name: str) -> GroupLoad:
-        routed = [self.router.pool.replicas.get(m.process.url) for m in self.members(name) if m.state == "serving"]
-        healthy = [r for r in routed if r is not None and r.state == "healthy"]
+        routed = [self.router.pool.replicas.get(m.process.url) for m in self.members(name)
+                  if m.state == MemberState.SERVING]
+        healthy = [r for r in routed if r is not None and r.state == ReplicaState.HEALTHY]
         if not healthy:
             return GroupLoad(0, 0.0, 0.0)
         return GroupLoad(len(healthy), sum(r.load.num_waiting for r in healthy),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import enum
 from array import array
 from dataclasses import dataclass
 
@@ -39,6 +40,15 @@ from shardserve.sim.step_clock import StepClock
 
 FAKE_TOKEN_ID = 0  # what the simulated model samples; never a stop token (workloads ignore EOS)
 _FAKE_TOKEN = SampledToken(FAKE_TOKEN_ID)  # only read, so one serves every sequence
+
+
+class PlanKind(enum.StrEnum):
+    """How a plan's first step was taken (the module docstring); a plan's later steps are all
+    decode-run steps. A str enum: num_steps_by_kind["run"] reads as before."""
+
+    RUN = "run"
+    MIXED = "mixed"
+    PLAIN = "plain"
 
 
 @dataclass(frozen=True)
@@ -75,9 +85,9 @@ class SimReplica:
         # is a scheduled step (`_sched`, until applied) or the first of a decode run.
         self._ends: list[float] = []
         self._sched: SchedulerOutput | None = None
-        self._first_kind = "run"  # run | mixed | plain
+        self._first_kind = PlanKind.RUN
         self._configs: dict[int, SchedulerConfig] = {}
-        self.num_steps_by_kind = {"run": 0, "mixed": 0, "plain": 0}  # steps taken each way
+        self.num_steps_by_kind = {kind: 0 for kind in PlanKind}  # steps taken each way
         self._gauges: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, KV usage after the last step
         self.keep_gauges = True  # False when nobody scrapes them (no router, or one that ignores load)
 
@@ -111,7 +121,7 @@ class SimReplica:
             self._apply_first_step()
         ends = self._ends
         self.num_steps_by_kind[self._first_kind] += 1
-        self.num_steps_by_kind["run"] += len(ends) - 1
+        self.num_steps_by_kind[PlanKind.RUN] += len(ends) - 1
         self.step_end_s.extend(ends)
         self.step += len(ends)
         self._ends = []
@@ -172,7 +182,7 @@ class SimReplica:
             num_steps = min(group.next_finish_step - self.step + 1, self.setup.max_run_steps)
             num_steps = group.max_steps_within(self.step, num_steps, self.blocks.num_free_blocks)
             if num_steps >= 1:
-                self._first_kind = "run"
+                self._first_kind = PlanKind.RUN
                 return self._plan(self._decode_ends(now, group.size, group.context_offset_sum, self.step, num_steps))
         elif self._mixed_is_exact():
             return self._start_mixed(now)
@@ -223,7 +233,7 @@ class SimReplica:
             sched = scheduler.schedule()
         finally:
             scheduler.config = base
-        self._first_kind = "mixed"
+        self._first_kind = PlanKind.MIXED
         ends = [now + self._step_s(sched, group.size, group.context_sum(self.step))]
         tail = self._decode_run_after(sched)
         if tail is not None:
@@ -266,7 +276,7 @@ class SimReplica:
         if self.group.size:
             self.scheduler.running[:0] = self.group.release_all(self.step)
         sched = self.scheduler.schedule()
-        self._first_kind = "plain"
+        self._first_kind = PlanKind.PLAIN
         self._sched = sched
         self._plan([now + self._step_s(sched, 0, 0)])
 
