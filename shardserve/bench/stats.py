@@ -12,7 +12,6 @@ successful requests only. Goodput counts successful requests that meet every SLO
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
@@ -175,10 +174,6 @@ class BenchResult:
         out["level"]["label"] = self.level.label
         out["records"] = [_record_dict(r) for r in self.records] if include_requests else []
         return _json_safe(out)
-
-    def to_json(self, include_requests: bool = True) -> str:
-        return json.dumps(self.to_dict(include_requests), indent=2)
-
 
 def _record_dict(record: RequestRecord) -> dict:
     return {**dataclasses.asdict(record), "ttft_s": record.ttft_s, "tpot_s": record.tpot_s, "e2e_s": record.e2e_s}

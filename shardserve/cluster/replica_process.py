@@ -80,10 +80,6 @@ class ReplicaProcess:
         self._signal(signal.SIGKILL)  # ranks that outlived their leader, if any
         return self.popen.returncode
 
-    def kill_now(self) -> None:
-        """SIGKILL without waiting (for exits where nothing can be awaited)."""
-        self._signal(signal.SIGKILL)
-
     def log_tail(self, num_chars: int = 1500) -> str:
         try:
             with open(self.log_path, "rb") as f:

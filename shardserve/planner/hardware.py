@@ -160,16 +160,6 @@ def get_hardware(name: str, catalog: dict[str, Hardware] | None = None) -> Hardw
     raise ConfigError(f"unknown hardware {name!r}; known: {known}")
 
 
-def with_overrides(hw: Hardware, **overrides: Any) -> Hardware:
-    """Copy of `hw` with the given fields replaced; None values are ignored, so CLI flags that were
-    not set can be passed straight through. An unknown field is a ConfigError."""
-    names = {f.name for f in dataclasses.fields(Hardware)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ConfigError(f"unknown hardware field(s) {', '.join(unknown)}; fields: {', '.join(sorted(names))}")
-    return dataclasses.replace(hw, **{k: v for k, v in overrides.items() if v is not None})
-
-
 # what-if key -> Hardware field; "flops" scales every dtype's peak.
 _WHAT_IF_FIELDS = {
     "mem_bw": "memory_bandwidth_bytes_s",

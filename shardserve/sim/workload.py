@@ -8,7 +8,7 @@ exactly the same requests.
 Three independent parts compose into `build_workload` (or `iter_workload`, the same requests drawn lazily):
   lengths   random_lengths | sharegpt_like_lengths | load_trace_jsonl  -> (prompt_len, output_len)
   prompts   synthesize_prompt_ids                                       -> token ids per prompt_len
-  arrivals  poisson_arrivals | gamma_arrivals | uniform_arrivals | closed_loop_arrivals
+  arrivals  poisson_arrivals | gamma_arrivals | closed_loop_arrivals
 """
 from __future__ import annotations
 
@@ -164,14 +164,6 @@ def gamma_arrivals(num: int, rate_qps: float, burstiness: float = 1.0, seed: int
 def poisson_arrivals(num: int, rate_qps: float, seed: int = 0) -> list[float]:
     """Poisson arrivals (exponential gaps) at `rate_qps`; identical to `gamma_arrivals` at burstiness 1."""
     return gamma_arrivals(num, rate_qps, 1.0, seed)
-
-
-def uniform_arrivals(num: int, rate_qps: float) -> list[float]:
-    """Evenly spaced arrivals, one every 1 / rate_qps seconds, the first at 0."""
-    _check_count(num)
-    if not rate_qps > 0:
-        raise ValueError(f"rate_qps must be > 0, got {rate_qps}")
-    return [i / rate_qps for i in range(num)]
 
 
 def closed_loop_arrivals(num: int) -> list[float]:

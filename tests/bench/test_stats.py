@@ -90,15 +90,15 @@ def test_goodput_matches_hand_count(slo, expected_ok):
     assert result.goodput_qps == pytest.approx(expected_ok / 4.0)
 
 
-def test_to_json_is_valid_json_with_nan_as_null():
+def test_to_dict_is_valid_json_with_nan_as_null():
     result = summarize_run([record(0, chunks=(0.1,), end_s=0.1, tokens=1)], LoadLevel(request_rate_qps=2.0),
                            wall_time_s=1.0, slo=SLO(ttft_ms=100))
-    data = json.loads(result.to_json())
+    data = json.loads(json.dumps(result.to_dict()))
     assert data["tpot"]["mean_ms"] is None  # no TPOT samples -> NaN -> null
     assert data["level"]["label"] == "rate=2 qps"
     assert data["slo"] == {"ttft_ms": 100, "tpot_ms": None, "e2e_ms": None}
     assert data["records"][0]["ttft_s"] == pytest.approx(0.1)
-    assert json.loads(result.to_json(include_requests=False))["records"] == []
+    assert json.loads(json.dumps(result.to_dict(include_requests=False)))["records"] == []
 
 
 def test_load_level_labels():

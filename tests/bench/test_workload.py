@@ -10,7 +10,7 @@ import pytest
 
 from shardserve.sim.workload import (
     RequestSpec, WorkloadConfig, build_workload, closed_loop_arrivals, gamma_arrivals, load_trace_jsonl,
-    poisson_arrivals, random_lengths, sharegpt_like_lengths, synthesize_prompt_ids, uniform_arrivals,
+    poisson_arrivals, random_lengths, sharegpt_like_lengths, synthesize_prompt_ids,
 )
 
 
@@ -71,8 +71,7 @@ def test_gamma_arrivals_edge_cases():
             gamma_arrivals(3, **(dict(rate_qps=1.0, burstiness=1.0) | bad))
 
 
-def test_uniform_and_closed_loop_arrivals():
-    assert uniform_arrivals(4, 2.0) == [0.0, 0.5, 1.0, 1.5]
+def test_closed_loop_arrivals():
     assert closed_loop_arrivals(3) == [0.0, 0.0, 0.0]
 
 

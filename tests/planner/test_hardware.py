@@ -6,7 +6,7 @@ import yaml
 
 from shardserve.config import ConfigError
 from shardserve.planner.hardware import (
-    CATALOG_PATH, apply_what_if, get_hardware, load_catalog, measure_this_host, with_overrides,
+    CATALOG_PATH, apply_what_if, get_hardware, load_catalog, measure_this_host,
 )
 
 REQUIRED = ["H100 SXM", "H200", "B200", "A100 80GB", "L40S", "MI300X", "TPU v5e", "TPU v5p", "Trainium2"]
@@ -65,15 +65,6 @@ def test_bad_values_are_rejected(tmp_path):
         load_catalog(tmp_path / "junk.yaml")
     with pytest.raises(ConfigError, match="cannot read"):
         load_catalog(tmp_path / "absent.yaml")
-
-
-def test_with_overrides_replaces_only_given_fields():
-    h100 = get_hardware("h100")
-    cheap = with_overrides(h100, price_per_hour_usd=1.5, memory_bytes=None)
-    assert cheap.price_per_hour_usd == 1.5 and cheap.memory_bytes == h100.memory_bytes
-    assert h100.price_per_hour_usd != 1.5  # the original is untouched
-    with pytest.raises(ConfigError, match="unknown hardware field"):
-        with_overrides(h100, flops=1)
 
 
 def test_what_if_scales_fields():
