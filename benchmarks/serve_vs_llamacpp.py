@@ -2,7 +2,8 @@
 
 Both serve SmolLM2-135M-Instruct: shardserve in bfloat16 (from the embedded GGUF), llama-server
 on the same weights converted to BF16 with `llama-quantize` (its fastest exact format on this CPU;
-Q8_0 is the alternative). llama-server runs with `-t 2 -np 32 --cont-batching`. Both get the same
+Q8_0 is the alternative). `--dtype float32` serves both in float32 instead (F32 GGUF): for a CPU
+without AVX512-BF16, where bf16 matmuls take a scalar path in both systems. llama-server runs with `-t 2 -np 32 --cont-batching`. Both get the same
 requests: 128-token prompts (random token ids, distinct per level and per server, and
 `cache_prompt: false` for llama.cpp, so no prefix-cache hits), 128 output tokens with `ignore_eos`,
 temperature 0, at closed-loop concurrency 1, 8 and 32, measured by `shardserve bench`'s client.
@@ -14,7 +15,7 @@ llama-server is built outside the repo, e.g. (about 5 minutes, offline flags):
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF
     cmake --build build -j2 --target llama-server llama-quantize
 
-Run: .venv/bin/python benchmarks/serve_vs_llamacpp.py --llama-bin-dir /path/to/build/bin [--quick]
+Run: .venv/bin/python benchmarks/serve_vs_llamacpp.py --llama-bin-dir /path/to/build/bin [--dtype float32] [--quick]
 Last line: RESULT {"ratio_c1", "ratio_c8", "ratio_c32", "ttft_p50_ratio_c1", ...} (shardserve / llama.cpp).
 """
 from __future__ import annotations
@@ -44,13 +45,17 @@ def started(cmd: list[str], port: int, name: str):
         yield url
 
 
-def bf16_gguf(bin_dir: Path, cache_dir: Path) -> Path:
-    """The embedded Q4_1 GGUF requantized to BF16 (an exact dequantization), cached."""
-    out = cache_dir / "SmolLM2-135M-Instruct.BF16.gguf"
+GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
+
+
+def dequantized_gguf(bin_dir: Path, cache_dir: Path, dtype: str) -> Path:
+    """The embedded Q4_1 GGUF requantized to BF16 or F32 (an exact dequantization), cached."""
+    gguf_type = GGUF_TYPES[dtype]
+    out = cache_dir / f"SmolLM2-135M-Instruct.{gguf_type}.gguf"
     if not out.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         src = resolve_model_path("smollm2")
-        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(src), str(out), "BF16", "2"],
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(src), str(out), gguf_type, "2"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
@@ -84,16 +89,17 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="4/8/16 requests, 32 output tokens")
+    parser.add_argument("--dtype", choices=tuple(GGUF_TYPES), default="bfloat16", help="what both systems serve in")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.output_len = "4,8,16", 32
     levels = list(zip(map(int, args.concurrency.split(",")), map(int, args.requests.split(","))))
     if not (args.llama_bin_dir / "llama-server").exists():
         sys.exit(f"llama-server not found in {args.llama_bin_dir} (see the module docstring to build it)")
-    gguf = bf16_gguf(args.llama_bin_dir, args.cache_dir)
+    gguf = dequantized_gguf(args.llama_bin_dir, args.cache_dir, args.dtype)
 
     port = free_port()
-    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
+    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", args.dtype, "--port", str(port),
                 "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
     with started(ours_cmd, port, "shardserve") as url:
         ours = run_levels("shardserve", url, levels, args, salt=1, extra_body={})
@@ -115,11 +121,11 @@ def report(levels, ours: dict, theirs: dict, args) -> None:
     result = {f"ratio_c{c}": ours[c]["output_tok_s"] / theirs[c]["output_tok_s"] for c, _ in levels}
     first = levels[0][0]
     result[f"ttft_p50_ratio_c{first}"] = ours[first]["ttft_p50_ms"] / theirs[first]["ttft_p50_ms"]
-    result.update({"shardserve": ours, "llama_server": theirs, "quick": args.quick,
+    result.update({"shardserve": ours, "llama_server": theirs, "quick": args.quick, "dtype": args.dtype,
                    "input_len": args.input_len, "output_len": args.output_len})
     RESULTS.mkdir(exist_ok=True)
-    name = "serve_vs_llamacpp_quick.json" if args.quick else "serve_vs_llamacpp.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2))
+    suffix = ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_quick" if args.quick else "")
+    (RESULTS / f"serve_vs_llamacpp{suffix}.json").write_text(json.dumps(result, indent=2))
     print("RESULT " + json.dumps({k: round(v, 3) for k, v in result.items() if isinstance(v, float)}))
 
 

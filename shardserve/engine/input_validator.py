@@ -3,6 +3,7 @@ it in its handlers (so bad input is a 400 there) and `LLMEngine.add_request` cal
 other caller. Each rule is written here once."""
 from __future__ import annotations
 
+from shardserve.engine.scheduler import max_num_tokens
 from shardserve.request import InvalidRequestError, SamplingParams
 
 
@@ -43,7 +44,7 @@ class InputValidator:
         if not ids:
             raise InvalidRequestError("resume_token_ids is empty", "resume_token_ids")
         self._check_vocab(ids, "resume token ids", "resume_token_ids")
-        if len(ids) >= params.max_tokens or len(prompt_ids) + len(ids) >= self.max_model_len:
+        if len(prompt_ids) + len(ids) >= max_num_tokens(len(prompt_ids), params.max_tokens, self.max_model_len):
             raise InvalidRequestError("the resumed request has no token budget left", "resume_token_ids")
 
     def _check_vocab(self, ids, what: str, param: str) -> None:

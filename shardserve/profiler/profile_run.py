@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from shardserve.config import EngineConfig, ModelConfig
+from shardserve.dtypes import dtype_bytes_of
 from shardserve.engine.launcher import build_engine
-from shardserve.planner.cost_model import Deployment, dtype_bytes_of, step_time
+from shardserve.planner.cost_model import Deployment, step_time
 from shardserve.planner.efficiency import Efficiency, calibration_document
 from shardserve.planner.hardware import Hardware, get_hardware, measure_this_host
 from shardserve.profiler.calibration_fit import FitResult, FitSample, fit_efficiency
