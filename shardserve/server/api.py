@@ -53,26 +53,14 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
         if name is not None and name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model")
 
-    def prompt_ids(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        try:
-            return engine.validator.prompt_ids(prompt, add_special_tokens)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), exc.param) from None
-
     def make_specs(body, prompts: list[list[int]], num_logprobs: int | None, max_tokens: int | None) -> list[RequestSpec]:
         specs = []
         base = uuid.uuid4().hex
         for p_index, ids in enumerate(prompts):
-            try:
-                budget = engine.validator.token_budget(ids, max_tokens)
-            except InvalidRequestError as exc:
-                raise APIError(400, str(exc), exc.param) from None
+            budget = engine.validator.token_budget(ids, max_tokens)
             for i in range(body.n):
                 seed = None if body.seed is None else body.seed + i
-                try:
-                    params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed)
-                except InvalidRequestError as exc:
-                    raise APIError(400, str(exc), exc.param) from None
+                params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed)
                 specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.effective_priority, resume(body, ids, params)))
         return specs
 
@@ -81,10 +69,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
             return None
         if body.n != 1 or len(_split_prompts(getattr(body, "prompt", ""))) != 1:
             raise APIError(400, "resume_token_ids needs exactly one prompt and n = 1", "resume_token_ids")
-        try:
-            engine.validator.resume(ids, params, body.resume_token_ids)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), exc.param) from None
+        engine.validator.resume(ids, params, body.resume_token_ids)
         return Resume(tuple(body.resume_token_ids), body.resume_text_chars)
 
     @app.get("/health")
@@ -111,7 +96,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompts = _split_prompts(body.prompt)
-        ids = [prompt_ids(p) for p in prompts]
+        ids = [engine.validator.prompt_ids(p) for p in prompts]
         specs = make_specs(body, ids, body.logprobs, body.max_tokens)
         echo_wanted = body.echo and body.resume_token_ids is None  # a resumed stream has sent its echo
         echo = [p if isinstance(p, str) and echo_wanted else "" for p in prompts for _ in range(body.n)]
@@ -129,7 +114,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         except Exception as exc:  # a template's raise_exception: the conversation is malformed
             raise APIError(400, f"chat template rejected the messages: {exc}", "messages") from None
-        ids = prompt_ids(text, add_special_tokens=False)
+        ids = engine.validator.prompt_ids(text, add_special_tokens=False)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         specs = make_specs(body, [ids], num_logprobs, body.max_completion_tokens or body.max_tokens)
         builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs,
@@ -236,6 +221,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
         return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(InvalidRequestError)  # the validator's and SamplingParams' refusals
+    async def invalid_request(_, exc: InvalidRequestError):
+        return JSONResponse(error_body(400, str(exc), exc.param), status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, exc: RequestValidationError):
