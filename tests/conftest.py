@@ -96,3 +96,13 @@ def smollm2_path() -> Path:
     from shardserve.models.checkpoint import resolve_model_path
 
     return resolve_model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """transformers' own SmolLM2 from the embedded GGUF, float32, loaded once for the whole run
+    (its GGUF dequantization takes about 20 s on this project's machines)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()

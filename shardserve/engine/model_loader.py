@@ -11,6 +11,7 @@ from shardserve.dtypes import ENGINE_DTYPES
 from shardserve.engine.kv_cache import KVCache, kv_budget_bytes
 from shardserve.layers.attention.backend import AttentionBackend, attention_backend
 from shardserve.layers.attention.paged_kv import KVShape
+from shardserve.layers.cpu_kernels import build_all
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.models.registry import model_class
 from shardserve.models.tokenizer import Tokenizer, load_tokenizer
@@ -53,6 +54,8 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     config.parallel.validate(model_config)
     tokenizer = load_tokenizer(checkpoint)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if device.type == "cpu":  # the native kernels, all at once, before the layers ask for them one by one
+        build_all()
     attention = attention_backend(device)
     with torch.device(device):
         model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups, attention)

@@ -13,7 +13,7 @@ from shardserve.engine.kv_cache import KVCache
 from shardserve.engine.sampler import SamplingState, sample
 from shardserve.layers.attention.backend import AttentionBackend
 from shardserve.layers.attention.paged_kv import SeqSpan
-from shardserve.layers.cpu_kernels import load_argmax_rows, load_silu_mul
+from shardserve.layers.cpu_kernels import build_all
 
 
 class Stage(Protocol):
@@ -70,8 +70,7 @@ class ModelRunner:
         self.attention = attention
         self.states: dict[str, SamplingState] = {}
         if device.type == "cpu":  # compiled now (then cached on disk), not while a first request waits
-            load_silu_mul()
-            load_argmax_rows()
+            build_all()
 
     @classmethod
     def for_model(cls, loaded) -> "ModelRunner":

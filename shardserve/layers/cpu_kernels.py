@@ -6,16 +6,22 @@ import functools
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 
 
+# every extension in csrc/, and whether it is built with fast math
+EXTENSIONS = {"panel_linear": False, "fused_elementwise": False, "paged_decode_attention": True, "argmax_rows": False}
+
+
 @functools.lru_cache(maxsize=None)
-def _load(name: str, fast_math: bool):
+def _load(name: str):
     """The compiled extension `csrc/<name>.cpp`, or None (disabled or no toolchain).
     Set SHARDSERVE_NATIVE_KERNELS=0 to use the torch fallbacks."""
+    fast_math = EXTENSIONS[name]
     if os.environ.get("SHARDSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     try:
@@ -34,17 +40,25 @@ def _load(name: str, fast_math: bool):
         return None
 
 
+def build_all() -> None:
+    """Build (or load from the cache) every native kernel now, as many at once as there are cores.
+    Each compile takes about 30 s of one core on a fresh machine (torch's headers dominate), and
+    each build is a single compiler process: one after the other they left the other cores idle."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(_load, EXTENSIONS))
+
+
 def load_paged_decode_attention():
     """`paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)` or None.
     Built with -ffast-math so the dot products vectorize (reassociated float sums)."""
-    module = _load("paged_decode_attention", True)
+    module = _load("paged_decode_attention")
     return None if module is None else module.paged_decode_attention
 
 
 def load_add_rms_norm():
     """`add_rms_norm(residual, delta | None, weight, eps)` (residual += delta in place; returns the
     normalized rows) or None. Exact float semantics: no fast-math."""
-    module = _load("fused_elementwise", False)
+    module = _load("fused_elementwise")
     return None if module is None else module.add_rms_norm
 
 
@@ -52,26 +66,26 @@ def load_rotary_kv():
     """`rotary_kv(qkv [T, H + 2 KV, D], cos [T, D], sin [T, D], k_cache, v_cache, slots [T], H)` ->
     (rotated queries [T, H, D], rotated keys [T, KV, D]), keys and values stored at `slots`; or None.
     Rounds as apply_rotary + write_kv do."""
-    module = _load("fused_elementwise", False)
+    module = _load("fused_elementwise")
     return None if module is None else module.rotary_kv
 
 
 def load_panel_linear(dtype):
     """The panel linear kernel module for `dtype` (`pack(weight)`, `linear(x, packed, bias,
     out_features)`), or None: no toolchain, or a CPU without the instructions for that dtype."""
-    module = _load("panel_linear", False)
+    module = _load("panel_linear")
     return module if module is not None and module.supported(dtype) else None
 
 
 def load_silu_mul():
     """`silu_mul(gate_up [..., 2d])` -> silu(gate) * up [..., d], rounded as the torch ops round
     (its exp differs from torch's in the last float32 bit at most); or None."""
-    module = _load("fused_elementwise", False)
+    module = _load("fused_elementwise")
     return None if module is None else module.silu_mul
 
 
 def load_argmax_rows():
     """`argmax_rows(logits [N, V] float32 contiguous)` -> int64 [N], what torch.argmax(dim=-1)
     gives (first index of the maximum, NaN the largest); or None."""
-    module = _load("argmax_rows", False)
+    module = _load("argmax_rows")
     return None if module is None else module.argmax_rows

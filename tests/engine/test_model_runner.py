@@ -12,7 +12,7 @@ def test_cpu_runner_builds_the_native_kernels_before_any_request(monkeypatch):
     compiling them while the first request waited (about 20 s, after /health already said ready)."""
     loaded = []
     load = cpu_kernels._load
-    monkeypatch.setattr(cpu_kernels, "_load", lambda name, fast_math: loaded.append(name) or load(name, fast_math))
+    monkeypatch.setattr(cpu_kernels, "_load", lambda name: loaded.append(name) or load(name))
     cpu = torch.device("cpu")
     ModelRunner(torch.nn.Identity(), None, None, (), cpu, attention_backend(cpu))
     assert {"paged_decode_attention", "fused_elementwise", "argmax_rows"} <= set(loaded)

@@ -46,13 +46,8 @@ def write_gguf(path, arch, metadata, tensors):
 # --- SmolLM2 against transformers -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def reference_state_dict():
-    from transformers import AutoModelForCausalLM
-
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32)
-    print(f"transformers GGUF load: {time.perf_counter() - start:.1f} s")
-    return model.state_dict()
+def reference_state_dict(smollm2_reference):
+    return smollm2_reference.state_dict()
 
 
 def test_smollm2_tensors_match_transformers(reference_state_dict):

@@ -1,7 +1,6 @@
 """The embedded SmolLM2 GGUF, loaded by us and by transformers' own GGUF loader."""
 import pytest
 import torch
-import transformers
 
 from shardserve import SamplingParams
 from shardserve.llm import LLM
@@ -20,11 +19,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def pair(smollm2_path):
+def pair(smollm2_reference):
     ours = LLM("smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, show_progress=False)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
-    return ours, ref
+    return ours, smollm2_reference
 
 
 def test_logits_match_transformers_gguf(pair):

@@ -1,7 +1,8 @@
 """Run greedy generation on a (possibly parallel) replica and print one JSON line:
 {"tokens": [[...] per prompt], "logprobs": [[[vocab floats] per generated token] per prompt]}.
 
-Used by the multi-rank tests as a subprocess, so that every rank is a fresh process:
+Used by the multi-rank tests as a subprocess, so that every rank is a fresh process (and, for
+the single-process baseline, in-process through `generate`):
     python tests/parallel/generate_json.py MODEL --tp 2 --pp 1 --ep 1 --max-tokens 6
 """
 from __future__ import annotations
@@ -15,18 +16,11 @@ from shardserve.request import SamplingParams
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--num-micro-batches", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=6)
-    args = parser.parse_args()
-    with LLM(args.model, tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, num_micro_batches=args.num_micro_batches,
+def generate(model: str, tp: int = 1, pp: int = 1, ep: int = 1, num_micro_batches: int | None = None,
+             max_tokens: int = 6) -> dict:
+    with LLM(model, tp_size=tp, pp_size=pp, ep_size=ep, num_micro_batches=num_micro_batches,
              show_progress=False, kv_cache_memory_bytes=1 << 22) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, logprobs=-1))
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=-1))
     result = {"tokens": [], "logprobs": []}
     for out in outs:
         completion = out.outputs[0]
@@ -38,7 +32,19 @@ def main() -> None:
                 row[token_id] = value
             rows.append(row)
         result["logprobs"].append(rows)
-    print(json.dumps(result))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--num-micro-batches", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=6)
+    args = parser.parse_args()
+    print(json.dumps(generate(args.model, args.tp, args.pp, args.ep, args.num_micro_batches, args.max_tokens)))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.engine_helpers import relative_error
+from tests.parallel.generate_json import PROMPTS, generate
 
 SCRIPT = Path(__file__).with_name("generate_json.py")
 MAX_TOKENS = 6
@@ -30,9 +31,6 @@ def run_layout(model: Path, tp: int = 1, pp: int = 1, ep: int = 1, micro: int | 
 def hf_reference(model_path: Path) -> dict:
     """transformers' greedy tokens and per-step log-softmax for the same prompts."""
     import transformers
-
-    sys.path.insert(0, str(SCRIPT.parent))
-    from generate_json import PROMPTS
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     result = {"tokens": [], "logprobs": []}
@@ -55,7 +53,7 @@ def references(tiny_checkpoints):
     def get(family: str) -> tuple[dict, dict]:
         if family not in cache:
             path = tiny_checkpoints[family]
-            cache[family] = (run_layout(path), hf_reference(path))
+            cache[family] = (generate(str(path), max_tokens=MAX_TOKENS), hf_reference(path))
         return cache[family]
     return get
 

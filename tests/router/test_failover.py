@@ -1,4 +1,4 @@
-"""Zero-loss failover: a replica SIGKILLed in the middle of 100 concurrent streams costs the
+"""Zero-loss failover: a replica SIGKILLed in the middle of 60 concurrent streams costs the
 clients nothing: every stream completes, byte-identical to a fault-free run, with no error."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import openai
 from tests.router.fleet import replicas, router
 from tests.server_process import scrape
 
-NUM_REQUESTS = 100
-MAX_TOKENS = 48
+NUM_REQUESTS = 60
+MAX_TOKENS = 32
 
 
 def requests() -> list[dict]:
