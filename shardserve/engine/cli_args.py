@@ -32,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--nnodes", type=int, default=1, help="hosts of this replica (without torchrun)")
     par.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 .. nnodes-1")
     par.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node 0, where the ranks meet")
+    par.add_argument("--comm-timeout", type=float, default=20.0,
+                     help="seconds a silent peer rank is waited for before the replica gives up")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -44,6 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),
         num_redundant_experts=args.num_redundant_experts,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+        comm_timeout_s=args.comm_timeout,
     )
 
 

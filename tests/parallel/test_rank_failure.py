@@ -24,19 +24,23 @@ import pytest
 from shardserve.ports import free_port
 
 EXIT_WITHIN_S = 30.0
-# below comm_timeout_s (20 s): the loss is seen on the closed connections, and no survivor is
+# the hung-rank test waits the collective timeout out: its replica uses 6 s instead of the CLI's
+# 20 s (still three idle heartbeats). The killed-rank tests keep 20 s, above FAIL_FAST_S, so they
+# show that a dead rank is seen on its closed connections, not by the timeout.
+HUNG_COMM_TIMEOUT_S = 6.0
+# below the default comm_timeout_s (20 s): the loss is seen on the closed connections, and no survivor is
 # left waiting out the timeout in a receive from a rank that gave up
 FAIL_FAST_S = 15.0
 TOKENS_BEFORE_KILL = 3
 
 
 @contextmanager
-def parallel_server(model: Path, log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+def parallel_server(model: Path, log_path: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """`shardserve serve MODEL --tp 2 --pp 2` leading its own session; its whole process group
     is SIGKILLed on the way out, whatever the test did."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(model), "--tp", "2", "--pp", "2",
-           "--kv-cache-memory", str(1 << 22), "--port", str(port), "--log-level", "warning"]
+           "--kv-cache-memory", str(1 << 22), "--port", str(port), "--log-level", "warning", *extra]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
@@ -142,10 +146,10 @@ def test_killed_driver_takes_its_ranks_along(tiny_checkpoints, tmp_path):
 
 
 def test_hung_worker_is_detected_by_the_timeout(tiny_checkpoints, tmp_path):
-    """A rank that stops answering (SIGSTOP) is caught by the 20 s collective timeout: the stream
+    """A rank that stops answering (SIGSTOP) is caught by the collective timeout: the stream
     fails, the server exits 1 and every rank, the stopped one included, is gone within 30 s."""
     model, log_path = tiny_checkpoints["llama"], tmp_path / "serve.log"
-    with parallel_server(model, log_path) as (base_url, proc):
+    with parallel_server(model, log_path, "--comm-timeout", str(HUNG_COMM_TIMEOUT_S)) as (base_url, proc):
         server = psutil.Process(proc.pid)
         ranks = spawned_ranks(server)
         tree = server.children(recursive=True)

@@ -2,7 +2,8 @@
 // compute: residual-add + RMSNorm, rotary embedding + the KV-cache write, and SwiGLU's silu * up.
 // Each computes what the unfused torch code computes, row by row (so results do not depend on the
 // batch), in float32 internally, rounding where the reference rounds.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
@@ -69,25 +70,25 @@ void rotary_kv_impl(const T* qkv, const T* cos, const T* sin, const int64_t* slo
 
 }  // namespace
 
-std::vector<torch::Tensor> rotary_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor slots, int64_t heads) {
+std::tuple<at::Tensor, at::Tensor> rotary_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                                     at::Tensor v_cache, at::Tensor slots, int64_t heads) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "qkv [T, H + 2 KV, D], cos and sin [T, D] must be contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == torch::kInt64,
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong,
               "caches must be contiguous and slots int64");
   const int64_t tokens = qkv.size(0), dim = qkv.size(2), kv_heads = (qkv.size(1) - heads) / 2;
   TORCH_CHECK(dim % 2 == 0 && k_cache.size(0) == kv_heads && k_cache.size(-1) == dim, "shape mismatch");
   TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim && slots.numel() == tokens, "shape mismatch");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && k_cache.scalar_type() == qkv.scalar_type(), "dtype mismatch");
-  auto q_out = torch::empty({tokens, heads, dim}, qkv.options());
-  auto k_out = torch::empty({tokens, kv_heads, dim}, qkv.options());
+  auto q_out = at::empty({tokens, heads, dim}, qkv.options());
+  auto k_out = at::empty({tokens, kv_heads, dim}, qkv.options());
   const int64_t slots_per_head = k_cache.numel() / (kv_heads * dim);
   auto s = slots.contiguous();
-  if (qkv.scalar_type() == torch::kFloat32) {
+  if (qkv.scalar_type() == at::kFloat) {
     rotary_kv_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), s.data_ptr<int64_t>(),
                           q_out.data_ptr<float>(), k_out.data_ptr<float>(), k_cache.data_ptr<float>(),
                           v_cache.data_ptr<float>(), tokens, heads, kv_heads, dim, slots_per_head);
-  } else if (qkv.scalar_type() == torch::kBFloat16) {
+  } else if (qkv.scalar_type() == at::kBFloat16) {
     using B = c10::BFloat16;
     rotary_kv_impl<B>(qkv.data_ptr<B>(), cos.data_ptr<B>(), sin.data_ptr<B>(), s.data_ptr<int64_t>(),
                       q_out.data_ptr<B>(), k_out.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), tokens,
@@ -129,15 +130,15 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t d) {
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "gate_up must be contiguous, of even width");
   const int64_t d = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
   auto sizes = gate_up.sizes().vec();
   sizes.back() = d;
-  auto out = torch::empty(sizes, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) {
+  auto out = at::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
     silu_mul_impl<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, d);
-  } else if (gate_up.scalar_type() == torch::kBFloat16) {
+  } else if (gate_up.scalar_type() == at::kBFloat16) {
     silu_mul_impl<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, d);
   } else {
     TORCH_CHECK(false, "silu_mul supports float32 and bfloat16");
@@ -145,19 +146,19 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
   TORCH_CHECK(residual.is_contiguous() && weight.is_contiguous(), "inputs must be contiguous");
   const int64_t hidden = residual.size(-1), rows = residual.numel() / hidden;
-  auto out = torch::empty_like(residual);
-  torch::Tensor d;
+  auto out = at::empty_like(residual);
+  at::Tensor d;
   if (delta.has_value()) {
     d = delta->contiguous();
     TORCH_CHECK(d.sizes() == residual.sizes() && d.scalar_type() == residual.scalar_type(), "delta must match residual");
   }
-  if (residual.scalar_type() == torch::kFloat32) {
+  if (residual.scalar_type() == at::kFloat) {
     add_rms_norm_impl<float>(residual.data_ptr<float>(), d.defined() ? d.data_ptr<float>() : nullptr,
                              weight.data_ptr<float>(), out.data_ptr<float>(), rows, hidden, static_cast<float>(eps));
-  } else if (residual.scalar_type() == torch::kBFloat16) {
+  } else if (residual.scalar_type() == at::kBFloat16) {
     add_rms_norm_impl<c10::BFloat16>(residual.data_ptr<c10::BFloat16>(),
                                      d.defined() ? d.data_ptr<c10::BFloat16>() : nullptr,
                                      weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, hidden,
@@ -168,12 +169,11 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
   return out;
 }
 
-// Each kernel lets go of the GIL: a server runs the engine in a thread beside its HTTP event loop.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; return rms_norm(residual)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rotary_kv", &rotary_kv, "rotate queries and keys, store keys and values in the paged cache",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over the halves of each row",
-        py::call_guard<py::gil_scoped_release>());
+// Registered as torch ops (not a pybind module: torch/extension.h alone took 24 s of each
+// compile, ATen and the op registry 8 s). A torch op call lets go of the GIL, as a server
+// running the engine in a thread beside its HTTP event loop needs.
+TORCH_LIBRARY(shardserve_fused_elementwise, m) {
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+  m.def("rotary_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int heads) -> (Tensor, Tensor)", &rotary_kv);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
 }

@@ -16,7 +16,8 @@
 //   k/v cache    [KV, num_blocks, bs, D]   (same dtype, contiguous)
 //   block_table  [B, max_blocks] int64     context_lens [B] int64
 //   out          [B, H, D]
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
@@ -243,8 +244,8 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 }
 
 template <typename T>
-void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_table, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
@@ -268,15 +269,15 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor context_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_table, at::Tensor context_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_table and context_lens must be int64");
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat32) {
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
     run<float>(q, k_cache, v_cache, block_table.contiguous(), context_lens.contiguous(), scale, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     run<c10::BFloat16>(q, k_cache, v_cache, block_table.contiguous(), context_lens.contiguous(), scale, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
@@ -284,8 +285,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// Each kernel lets go of the GIL: a server runs the engine in a thread beside its HTTP event loop.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+// Registered as torch ops (not a pybind module: torch/extension.h alone took 24 s of each
+// compile, ATen and the op registry 8 s). A torch op call lets go of the GIL, as a server
+// running the engine in a thread beside its HTTP event loop needs.
+TORCH_LIBRARY(shardserve_paged_decode_attention, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor", &paged_decode_attention);
 }

@@ -16,7 +16,8 @@
 //   - panels are split over threads once per call (static, no work queue).
 // Each output is a sum over k in a fixed order that does not depend on M: a row gets the same
 // result whatever else is in the batch.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <array>
 #include <cstdint>
@@ -95,10 +96,10 @@ constexpr std::array<PanelRowsFn<T>, sizeof...(Rs)> make_table(std::integer_sequ
 }
 
 template <typename T>
-torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, int64_t n) {
+at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   static constexpr auto kTable = make_table<T>(std::make_integer_sequence<int, kMaxRows>{});
   const int64_t m = x.size(0), ksteps = packed.size(1), kw = packed.size(3);
-  auto y = torch::empty({m, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   const T* xd = x.data_ptr<T>();
   const T* wd = packed.data_ptr<T>();
   T* yd = y.data_ptr<T>();
@@ -126,48 +127,48 @@ torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 
 }  // namespace
 
-bool supported(torch::ScalarType dtype) {
+bool supported(at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
-  if (dtype == torch::kBFloat16) return true;
+  if (dtype == at::kBFloat16) return true;
 #endif
 #if defined(__AVX512F__)
-  if (dtype == torch::kFloat32) return true;
+  if (dtype == at::kFloat) return true;
 #endif
   return false;
 }
 
 // W [N, K] -> panels [ceil(N/32)][ceil(K/kw)][32][kw], zero-padded (kw: 2 for bf16, 1 for float32).
-torch::Tensor pack(torch::Tensor weight) {
+at::Tensor pack(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && supported(weight.scalar_type()), "pack: weight must be 2-D bfloat16 or float32");
-  const int64_t kw = weight.scalar_type() == torch::kBFloat16 ? 2 : 1;
+  const int64_t kw = weight.scalar_type() == at::kBFloat16 ? 2 : 1;
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel, k_pad = (k + kw - 1) / kw * kw;
   auto padded = weight;  // a zero-padded copy only where needed: packing a large weight must not
   if (n_pad != n || k_pad != k) {  // hold three copies of it at once
-    padded = torch::zeros({n_pad, k_pad}, weight.options());
+    padded = at::zeros({n_pad, k_pad}, weight.options());
     padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
   }
   return padded.view({n_pad / kPanel, kPanel, k_pad / kw, kw}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // x [M, K], packed from pack() (same dtype), bias [N] or None -> y [M, N].
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && supported(x.scalar_type()) && packed.scalar_type() == x.scalar_type(),
               "linear: x must be 2-D, of the packed weight's dtype");
   const int64_t kw = packed.size(3);
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && (x.size(1) + kw - 1) / kw == packed.size(1),
               "linear: packed weight does not match x");
   TORCH_CHECK(packed.size(0) * kPanel >= n, "linear: packed weight has fewer than n rows");
-  torch::Tensor bias32;  // padded to whole panels, so the last panel's bias load stays in bounds
+  at::Tensor bias32;  // padded to whole panels, so the last panel's bias load stays in bounds
   if (bias.has_value() && bias->defined()) {
-    bias32 = torch::zeros({packed.size(0) * kPanel}, x.options().dtype(torch::kFloat32));
+    bias32 = at::zeros({packed.size(0) * kPanel}, x.options().dtype(at::kFloat));
     bias32.narrow(0, 0, n).copy_(*bias);
   }
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   x = x.contiguous();
-  if (x.size(1) % kw) x = torch::constant_pad_nd(x, {0, 1});  // the last k's pair meets zero weights
+  if (x.size(1) % kw) x = at::constant_pad_nd(x, {0, 1});  // the last k's pair meets zero weights
 #if defined(__AVX512F__)
-  if (x.scalar_type() == torch::kFloat32) return run_linear<float>(x, packed, b, n);
+  if (x.scalar_type() == at::kFloat) return run_linear<float>(x, packed, b, n);
 #endif
 #if defined(__AVX512BF16__)
   return run_linear<c10::BFloat16>(x, packed, b, n);
@@ -175,11 +176,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(false, "linear: this build has no kernel for this dtype");
 }
 
-// Each kernel lets go of the GIL: a server runs the engine in a thread beside its HTTP event loop.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("supported", &supported, "whether this build has a kernel for the dtype");
-  m.def("pack", &pack, "repack a weight [N, K] into the kernel's panels",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &linear, "y = x W^T (+ bias) from packed panels, float32 sums",
-        py::call_guard<py::gil_scoped_release>());
+// Registered as torch ops (not a pybind module: torch/extension.h alone took 24 s of each
+// compile, ATen and the op registry 8 s). A torch op call lets go of the GIL, as a server
+// running the engine in a thread beside its HTTP event loop needs.
+TORCH_LIBRARY(shardserve_panel_linear, m) {
+  m.def("supported(ScalarType dtype) -> bool", &supported);
+  m.def("pack(Tensor weight) -> Tensor", &pack);
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &linear);
 }
