@@ -38,9 +38,8 @@ def generate(model: str, tp: int = 1, pp: int = 1, ep: int = 1, num_micro_batche
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
+    for size in ("--tp", "--pp", "--ep"):
+        parser.add_argument(size, type=int, default=1)
     parser.add_argument("--num-micro-batches", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=6)
     args = parser.parse_args()
