@@ -6,6 +6,7 @@ import sys
 import uuid
 
 from shardserve.engine.cli_args import add_engine_args, engine_kwargs
+from shardserve.server.auth import add_auth_args
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -50,19 +51,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.config import ServerConfig
     from shardserve.llm import engine_config_from_kwargs
+    from shardserve.server.auth import auth_from_args
     from shardserve.server.serve import run_server
 
     model = args.model_pos or args.model
     server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           max_waiting_requests=args.max_waiting_requests, log_level=args.log_level,
                           calibration=args.calibration, device_price_per_hour_usd=args.device_price_per_hour)
-    return run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server)
+    return run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server, auth_from_args(args))
 
 
 def cmd_route(args: argparse.Namespace) -> int:
     from shardserve.config import RouterConfig
     from shardserve.router.policies import make_policy
     from shardserve.router.serve import run_router
+    from shardserve.server.auth import auth_from_args
 
     make_policy(args.policy)  # an unknown policy fails here, in one line
     config = RouterConfig(
@@ -72,7 +75,7 @@ def cmd_route(args: argparse.Namespace) -> int:
         eject_after_failures=args.eject_after_failures, stall_timeout_s=args.stall_timeout,
         max_attempts=args.max_attempts, log_level=args.log_level,
     )
-    return run_router(config)
+    return run_router(config, auth_from_args(args))
 
 
 def add_route_parser(sub) -> None:
@@ -95,6 +98,7 @@ def add_route_parser(sub) -> None:
                        help="seconds without data after which a stream moves to another replica")
     route.add_argument("--max-attempts", type=int, default=4, help="replicas one request may try")
     route.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_auth_args(route)
     route.set_defaults(func=cmd_route)
 
 
@@ -148,6 +152,7 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
                        help="price of one device-hour, for shardserve:cost_per_million_tokens_usd "
                             "(default: the calibration's, else 0)")
     serve.add_argument("--config", help="YAML file of flag values; command-line flags override it")
+    add_auth_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     from shardserve.bench.cli_args import add_bench_parser

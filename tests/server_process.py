@@ -11,11 +11,12 @@ from shardserve.server.process import server_process
 
 
 @contextmanager
-def running_server(*args: str, startup_timeout_s: float = 120):
-    """`shardserve serve ARGS` on a free port; yields (base_url, Popen)."""
+def running_server(*args: str, startup_timeout_s: float = 120, headers: dict[str, str] | None = None):
+    """`shardserve serve ARGS` on a free port; yields (base_url, Popen). `headers` go with the
+    readiness probes (a server behind an API key)."""
     port = free_port()
     cmd = [sys.executable, "-m", "shardserve.cli", "serve", *args, "--port", str(port), "--log-level", "warning"]
-    with server_process(cmd, port, startup_timeout_s) as (base_url, proc):
+    with server_process(cmd, port, startup_timeout_s, headers=headers) as (base_url, proc):
         yield base_url, proc
 
 

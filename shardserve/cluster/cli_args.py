@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
 import httpx
 
 from shardserve.config import ConfigError
+from shardserve.server.auth import ADMIN_KEY_ENV, add_auth_args
 
 POLL_S = 0.5
 
@@ -29,12 +31,15 @@ def add_cluster_parser(sub) -> None:
     cluster.add_argument("--host", default=None, help="the router's address (default: the file's router.host)")
     cluster.add_argument("--port", type=int, default=None, help="the router's port (default: the file's router.port)")
     cluster.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_auth_args(cluster)
     cluster.set_defaults(func=cmd_cluster)
     actions = cluster.add_subparsers(dest="cluster_command", metavar="{status,reshard}")
     status = actions.add_parser("status", help="print a running cluster's groups, replicas and last reshard")
     status.add_argument("--url", required=True, help="the cluster's router, e.g. http://127.0.0.1:8080")
+    _add_remote_key(status)
     reshard = actions.add_parser("reshard", help="change a group's layout while it serves")
     reshard.add_argument("--url", required=True, help="the cluster's router, e.g. http://127.0.0.1:8080")
+    _add_remote_key(reshard)
     reshard.add_argument("--group", default=None, help="the group to reshard (needed when there are several)")
     for dim in ("tp", "pp", "ep"):
         reshard.add_argument(f"--{dim}", type=int, default=None, help=f"new {dim} (default: unchanged)")
@@ -43,9 +48,19 @@ def add_cluster_parser(sub) -> None:
     reshard.add_argument("--timeout", type=float, default=1800.0, help="seconds to follow it before giving up")
 
 
+def _add_remote_key(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--admin-key", dest="remote_admin_key", default=None, metavar="KEY",
+                        help=f"the cluster's admin key (default: ${ADMIN_KEY_ENV})")
+
+
+def _admin_headers(args: argparse.Namespace) -> dict[str, str]:
+    key = args.remote_admin_key or os.environ.get(ADMIN_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     if args.cluster_command == "status":
-        print(json.dumps(_get_status(args.url), indent=2))
+        print(json.dumps(_get_status(args.url, _admin_headers(args)), indent=2))
         return 0
     if args.cluster_command == "reshard":
         return cmd_reshard(args)
@@ -53,11 +68,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ConfigError("cluster: give --config cluster.yaml (or a command: status, reshard)")
     from shardserve.cluster.config import load_cluster_config
     from shardserve.cluster.serve import run_cluster
+    from shardserve.server.auth import auth_from_args
 
     config = load_cluster_config(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     router = dataclasses.replace(config.router, log_level=args.log_level, **overrides)
-    return run_cluster(dataclasses.replace(config, router=router))
+    return run_cluster(dataclasses.replace(config, router=router), auth_from_args(args))
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
@@ -66,7 +82,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     body = {k: getattr(args, k) for k in ("group", "tp", "pp", "ep", "replicas") if getattr(args, k) is not None}
     try:
-        response = httpx.post(f"{url}/admin/reshard", json=body, timeout=60)
+        headers = _admin_headers(args)
+        response = httpx.post(f"{url}/admin/reshard", json=body, headers=headers, timeout=60)
     except httpx.HTTPError as exc:
         raise ConfigError(f"cannot reach the cluster at {url}: {exc}") from None
     if response.status_code != 202:
@@ -82,7 +99,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         time.sleep(POLL_S)
-        progress = _get_status(url)["reshard"]
+        progress = _get_status(url, headers)["reshard"]
     if progress["state"] != ReshardState.DONE:
         print(f"shardserve: reshard failed, the old layout still serves: {progress['error']}", file=sys.stderr)
         return 1
@@ -90,9 +107,9 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _get_status(url: str) -> dict:
+def _get_status(url: str, headers: dict[str, str]) -> dict:
     try:
-        response = httpx.get(f"{url.rstrip('/')}/admin/cluster", timeout=10)
+        response = httpx.get(f"{url.rstrip('/')}/admin/cluster", headers=headers, timeout=10)
     except httpx.HTTPError as exc:
         raise ConfigError(f"cannot reach the cluster at {url}: {exc}") from None
     if response.status_code != 200:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import tempfile
 from pathlib import Path
@@ -15,11 +16,12 @@ from shardserve.cluster.admin import add_cluster_routes
 from shardserve.cluster.config import ClusterConfig, check_layout
 from shardserve.cluster.supervisor import Supervisor
 from shardserve.router.app import build_router_app
+from shardserve.server.auth import AuthConfig
 
 log = logging.getLogger(__name__)
 
 
-def run_cluster(config: ClusterConfig) -> int:
+def run_cluster(config: ClusterConfig, auth: AuthConfig = AuthConfig()) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code. A group whose layout cannot split its
     model raises ConfigError before anything starts."""
     logging.basicConfig(level=config.router.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -28,11 +30,12 @@ def run_cluster(config: ClusterConfig) -> int:
         check_layout(group.model, group.layout)
     log_dir = Path(config.supervisor.log_dir or tempfile.mkdtemp(prefix="shardserve-cluster-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_serve(config, log_dir))
+    os.environ.update(auth.child_env())  # the replicas this process starts take the same keys
+    return asyncio.run(_serve(config, log_dir, auth))
 
 
-async def _serve(config: ClusterConfig, log_dir: Path) -> int:
-    app, router = build_router_app(config.router)
+async def _serve(config: ClusterConfig, log_dir: Path, auth: AuthConfig) -> int:
+    app, router = build_router_app(config.router, auth)
     supervisor = Supervisor(config, router, log_dir)
     add_cluster_routes(app, supervisor)
     server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,

@@ -82,7 +82,7 @@ class Supervisor:
         self.paused: set[str] = set()  # groups under a reshard
         self.replicas: dict[str, ManagedReplica] = {}
         self.devices = DevicePool(config.supervisor.devices)
-        self.client = httpx.AsyncClient()
+        self.client = httpx.AsyncClient(headers=router.auth.bearer_header())  # readiness probes
         self.reshard = None  # the last reshard's ReshardProgress (reshard.py)
         self._num_created = 0
         self._background: set[asyncio.Task] = set()  # readiness waits, reshards: cancelled on shutdown

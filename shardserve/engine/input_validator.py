@@ -28,7 +28,7 @@ class InputValidator:
             raise InvalidRequestError(
                 f"prompt has {len(token_ids)} tokens but the context window is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)", "prompt")
-        self._check_vocab(token_ids, "token ids", "prompt")
+        self.check_vocab(token_ids, "token ids", "prompt")
         return token_ids
 
     def token_budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
@@ -43,10 +43,11 @@ class InputValidator:
         """Raise InvalidRequestError unless `ids` can be a request's output so far."""
         if not ids:
             raise InvalidRequestError("resume_token_ids is empty", "resume_token_ids")
-        self._check_vocab(ids, "resume token ids", "resume_token_ids")
+        self.check_vocab(ids, "resume token ids", "resume_token_ids")
         if len(prompt_ids) + len(ids) >= max_num_tokens(len(prompt_ids), params.max_tokens, self.max_model_len):
             raise InvalidRequestError("the resumed request has no token budget left", "resume_token_ids")
 
-    def _check_vocab(self, ids, what: str, param: str) -> None:
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
+    def check_vocab(self, ids, what: str, param: str) -> None:
+        """Raises InvalidRequestError unless every id is a token of the vocabulary."""
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise InvalidRequestError(f"{what} must be in [0, {self.vocab_size})", param)

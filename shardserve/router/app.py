@@ -2,7 +2,7 @@
 difference), plus /admin for adding, draining and listing replicas.
 
     POST /v1/completions, /v1/chat/completions   forwarded (forwarding.py)
-    GET  /v1/models                              the replicas' models, with each replica's card
+    GET  /v1/models, /v1/models/{model}          the replicas' models, with each replica's card
     GET  /health                                 200 while some replica is routable
     GET  /metrics                                the router's Prometheus metrics
     GET  /admin/status                           replicas: state, load, in flight, model card
@@ -29,18 +29,21 @@ from shardserve.router.metrics import RouterMetrics
 from shardserve.router.policies import make_policy
 from shardserve.router.replica_pool import ReplicaPool
 from shardserve.router.stream_relay import StreamRelay
+from shardserve.server.auth import AuthConfig, AuthMiddleware
 from shardserve.server.protocol import error_body
 
 
 class Router:
     """The state behind the app: the pool, the policy, the forwarding and the health checks."""
 
-    def __init__(self, config: RouterConfig):
-        self.config = config
+    def __init__(self, config: RouterConfig, auth: AuthConfig = AuthConfig()):
+        self.config, self.auth = config, auth
         self.pool = ReplicaPool(list(config.replicas), config.eject_after_failures, config.eject_base_s,
                                 config.eject_max_s)
         self.metrics = RouterMetrics(config.policy)
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024))
+        # the router calls its replicas (requests and probes) with its own key
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024),
+                                        headers=auth.bearer_header())
         policy = make_policy(config.policy, config.prefix_chars, config.prefix_load_slack)
         self.forwarder = Forwarder(config, self.pool, policy, self.client, self.metrics)
         self.health = HealthMonitor(self.pool, self.client, config.probe_interval_s, config.probe_timeout_s)
@@ -92,8 +95,8 @@ class Router:
         return {"object": "list", "data": list(cards.values())}
 
 
-def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
-    router = Router(config)
+def build_router_app(config: RouterConfig, auth: AuthConfig = AuthConfig()) -> tuple[FastAPI, Router]:
+    router = Router(config, auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -104,6 +107,7 @@ def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
         await router.client.aclose()
 
     app = FastAPI(title="shardserve router", lifespan=lifespan)
+    app.add_middleware(AuthMiddleware, config=auth)
 
     @app.exception_handler(RouterError)
     async def router_error(_, exc: RouterError):
@@ -121,6 +125,13 @@ def build_router_app(config: RouterConfig) -> tuple[FastAPI, Router]:
     @app.get("/v1/models")
     async def models():
         return router.models()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        card = next((c for c in router.models()["data"] if c.get("id") == name), None)
+        if card is None:
+            return JSONResponse(error_body(404, f"the model {name!r} does not exist", "model"), status_code=404)
+        return card
 
     @app.get("/health")
     async def health():

@@ -21,7 +21,8 @@ from shardserve import __version__
 from shardserve.request import InvalidRequestError, RequestOutput, Resume
 from shardserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestSpec, RequestStream
 from shardserve.server.metrics import ServerMetrics
-from shardserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from shardserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       error_body)
 from shardserve.server.responses import ResponseBuilder
 
 
@@ -39,7 +40,6 @@ class Call:
     builder: ResponseBuilder
     prompt_tokens: int
     echo_prefixes: list[str]
-    include_usage: bool
     num_resumed_tokens: int = 0  # output tokens another replica already produced (resume)
 
 
@@ -64,6 +64,14 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
                 specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.effective_priority, resume(body, ids, params)))
         return specs
 
+    def chat_prompt(messages, add_generation_prompt: bool) -> str:
+        """The conversation through the model's chat template (400 if the template refuses it)."""
+        try:
+            return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template's raise_exception: the conversation is malformed
+            raise APIError(400, f"chat template rejected the messages: {exc}", "messages") from None
+
     def resume(body, ids: list[int], params) -> Resume | None:
         if body.resume_token_ids is None:
             return None
@@ -82,11 +90,17 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
     async def version():
         return {"version": __version__}
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "shardserve",
+            "max_model_len": engine.max_model_len, **(model_info or {})}
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "shardserve",
-                "max_model_len": engine.max_model_len, **(model_info or {})}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")  # a model id may hold slashes (a checkpoint path)
+    async def model(name: str):
+        check_model(name)
+        return card
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -101,27 +115,38 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
         echo_wanted = body.echo and body.resume_token_ids is None  # a resumed stream has sent its echo
         echo = [p if isinstance(p, str) and echo_wanted else "" for p in prompts for _ in range(body.n)]
         builder = ResponseBuilder("completion", f"cmpl-{uuid.uuid4().hex}", model_name, tokenizer,
-                                  body.logprobs is not None, body.return_token_ids)
-        call = Call(specs, builder, sum(len(i) for i in ids), echo, bool(body.stream_options and body.stream_options.include_usage),
-                    len(body.resume_token_ids or ()))
+                                  body.logprobs is not None, body.return_token_ids, body.include_usage)
+        call = Call(specs, builder, sum(len(i) for i in ids), echo, len(body.resume_token_ids or ()))
         return await _answer(async_engine, call, body.stream, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        except Exception as exc:  # a template's raise_exception: the conversation is malformed
-            raise APIError(400, f"chat template rejected the messages: {exc}", "messages") from None
+        text = chat_prompt(body.messages, body.add_generation_prompt)
         ids = engine.validator.prompt_ids(text, add_special_tokens=False)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         specs = make_specs(body, [ids], num_logprobs, body.max_completion_tokens or body.max_tokens)
         builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs,
-                                  body.return_token_ids)
-        call = Call(specs, builder, len(ids), [""] * len(specs), bool(body.stream_options and body.stream_options.include_usage),
-                    len(body.resume_token_ids or ()))
+                                  body.return_token_ids, body.include_usage)
+        call = Call(specs, builder, len(ids), [""] * len(specs), len(body.resume_token_ids or ()))
         return await _answer(async_engine, call, body.stream, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either a prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = tokenizer.encode(chat_prompt(body.messages, body.add_generation_prompt), add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        engine.validator.check_vocab(body.tokens, "tokens", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
 
@@ -203,7 +228,7 @@ async def _sse(call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
             completion_tokens += len(item.new_token_ids)
             if item.new_text or item.finished or (call.builder.want_token_ids and item.new_token_ids):
                 yield _event(call.builder.chunk(index, item, item.new_text))
-        if call.include_usage:
+        if call.builder.include_usage:
             yield _event(call.builder.usage_chunk(call.prompt_tokens, completion_tokens))
         yield "data: [DONE]\n\n"
     finally:

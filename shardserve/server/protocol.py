@@ -55,6 +55,11 @@ class SamplingFields(BaseModel):
     resume_text_chars: int = Field(default=0, ge=0)
 
     @property
+    def include_usage(self) -> bool:
+        """A stream ends with a usage chunk (and every chunk before it has `usage: null`)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
     def effective_priority(self) -> int:
         return max(self.priority, BATCH_PRIORITY) if self.request_class == "batch" else self.priority
 
@@ -103,6 +108,25 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages (through the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True  # for a prompt; a chat template writes its own
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -114,7 +138,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
                500: "internal_server_error", 503: "service_unavailable"}
 
 

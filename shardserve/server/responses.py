@@ -44,9 +44,10 @@ class ResponseBuilder:
     """Formats one API call's outputs; `index` is the choice index (prompt * n + sample)."""
 
     def __init__(self, kind: str, response_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool,
-                 want_token_ids: bool = False):
+                 want_token_ids: bool = False, include_usage: bool = False):
         self.kind = kind  # "completion" | "chat"
         self.want_token_ids = want_token_ids
+        self.include_usage = include_usage  # streams: `usage: null` on each chunk, then a usage chunk
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -71,7 +72,7 @@ class ResponseBuilder:
             if self.kind == "completion":
                 choice["text"] = prefix + comp.text
             else:
-                choice["message"] = {"role": "assistant", "content": comp.text}
+                choice["message"] = {"role": "assistant", "content": comp.text, "refusal": None}
             if self.want_token_ids:
                 choice["token_ids"] = list(comp.token_ids)
             choices.append(choice)
@@ -93,7 +94,10 @@ class ResponseBuilder:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if self.want_token_ids:
             choice["token_ids"] = list(out.new_token_ids) if out is not None else []
-        return {**self._envelope(True), "choices": [choice]}
+        body = {**self._envelope(True), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {**self._envelope(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}

@@ -12,12 +12,13 @@ from shardserve.config import EngineConfig, ServerConfig
 from shardserve.engine.launcher import build_engine
 from shardserve.server.api import build_app
 from shardserve.server.async_engine import AsyncEngine
+from shardserve.server.auth import AuthConfig, AuthMiddleware
 from shardserve.server.efficiency_metrics import efficiency_config
 from shardserve.server.metrics import ServerMetrics
 
 
-def build_server(engine_config: EngineConfig, server_config: ServerConfig):
-    """The FastAPI app and its AsyncEngine (not started)."""
+def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth: AuthConfig = AuthConfig()):
+    """The FastAPI app (behind `auth`'s keys) and its AsyncEngine (not started)."""
     engine = build_engine(engine_config)
     model_name = server_config.served_model_name or engine_config.model
     efficiency = efficiency_config(engine_config, engine.model_config, server_config.calibration,
@@ -28,16 +29,17 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig):
     info = {"dtype": engine_config.dtype, "device": engine_config.device,
             "layout": {"tp": par.tp_size, "pp": par.pp_size, "ep": par.ep_size, "world_size": par.world_size}}
     app = build_app(async_engine, metrics, model_name, info)
+    app.add_middleware(AuthMiddleware, config=auth)
     return app, async_engine
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, auth: AuthConfig = AuthConfig()) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code. The engine loop owns the main thread
     (see async_engine.py); uvicorn runs on a second thread. If a single-process engine dies, HTTP
     stays up and answers 503. If a parallel replica loses a rank, the in-flight requests get
     their error, and the server exits with 1 so that a supervisor restarts the replica."""
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, async_engine = build_server(engine_config, server_config)
+    app, async_engine = build_server(engine_config, server_config, auth)
     # The model, tokenizer and app live as long as the process: take their objects (about 190k for
     # SmolLM2) out of the cyclic collector's reach. Otherwise each full collection walks them all
     # and stalls the engine loop for about 100 ms, at random, in the middle of serving.

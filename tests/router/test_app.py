@@ -118,3 +118,19 @@ def test_a_streamed_response_sent_in_full_releases_its_leases():
     texts = [json.loads(line[6:])["choices"][0]["text"] for line in body.split("\n\n") if line.startswith("data: {")]
     assert "".join(texts) == "t0 t1 t2 t3 t4 t5 " and body.endswith("data: [DONE]\n\n")
     assert router.forwarder.num_interactive == 0 and in_flight(router.forwarder) == {"http://r0": 0}
+
+
+def test_a_model_is_retrieved_by_id_across_the_fleet():
+    replicas = FakeReplicas({"http://r0": held(asyncio.Event()), "http://r1": held(asyncio.Event())})
+    app, router = router_over(replicas)
+    for replica in router.pool.replicas.values():
+        replica.info = {"id": "org/model", "object": "model"}  # what the probes read from /v1/models
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            card = (await client.get("/v1/models/org/model")).json()
+            assert card["id"] == "org/model" and [r["url"] for r in card["replicas"]] == ["http://r0", "http://r1"]
+            missing = await client.get("/v1/models/other")
+            assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+    asyncio.run(scenario())

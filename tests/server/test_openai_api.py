@@ -1,6 +1,7 @@
 """The server through the official `openai` client (sync, async, streaming) and raw HTTP, with
 outputs checked against the offline engine on the same seeds."""
 import asyncio
+import json
 
 import httpx
 import openai
@@ -128,3 +129,55 @@ def test_health_models_version_metrics(server, client):
     for name in names:
         scrape(server, name)
     assert scrape(server, "vllm:generation_tokens_total") > 0
+
+
+def stream_events(server: str, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a raw SSE stream (which must end with [DONE])."""
+    with httpx.stream("POST", server + path, json={**body, "stream": True}, timeout=60) as resp:
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": PROMPT}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+def test_usage_is_null_on_every_chunk_before_the_usage_chunk(server, path, body):
+    """OpenAI's stream_options.include_usage: `"usage": null` on each chunk, then one chunk with
+    no choices and the usage; without the option, no chunk carries the field."""
+    body = {"model": "smol", "max_tokens": 6, "temperature": 0, "ignore_eos": True, **body}
+    with_usage = stream_events(server, path, {**body, "stream_options": {"include_usage": True}})
+    assert len(with_usage) > 2 and all("usage" in c and c["usage"] is None for c in with_usage[:-1])
+    assert with_usage[-1]["choices"] == [] and with_usage[-1]["usage"]["completion_tokens"] == 6
+    assert not any("usage" in c for c in stream_events(server, path, body))
+
+
+def test_chat_message_has_refusal_null(server):
+    resp = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
+    message = resp.json()["choices"][0]["message"]
+    assert "refusal" in message and message["refusal"] is None
+
+
+def test_retrieve_model(server, client):
+    card = client.models.retrieve("smol")
+    assert card.id == "smol" and card.object == "model"
+    missing = httpx.get(f"{server}/v1/models/other", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_tokenize_and_detokenize_round_trip(server, offline):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize."""
+    tok = httpx.post(f"{server}/tokenize", json={"model": "smol", "prompt": PROMPT}, timeout=10).json()
+    assert tok["tokens"] == offline.tokenizer.encode(PROMPT) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == 1024
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=10).json()
+    template = offline.tokenizer.apply_chat_template(messages)
+    assert chat["tokens"] == offline.tokenizer.encode(template, add_special_tokens=False)
+    back = httpx.post(f"{server}/detokenize", json={"model": "smol", "tokens": tok["tokens"]}, timeout=10).json()
+    assert back["prompt"] == offline.tokenizer.decode(tok["tokens"])
+    for path, body, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {"model": "other", "prompt": "a"}, "model")):
+        refused = httpx.post(f"{server}{path}", json=body, timeout=10)
+        assert 400 <= refused.status_code < 500 and refused.json()["error"]["param"] == param
