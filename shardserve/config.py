@@ -327,6 +327,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     show_progress: bool = True
+    # where requests that leave sampling fields out take them from: "auto", the model's own
+    # (generation_config.json; models/sampling_defaults.py), or "vllm", SamplingParams' defaults
+    generation_config: str = "auto"
 
 
 @dataclass(frozen=True)

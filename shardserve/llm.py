@@ -56,10 +56,13 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (text, token ids, or vLLM's prompt dicts: {"prompt": text} and
+        {"prompt_token_ids": ids}); outputs come back in prompt order. Without sampling params,
+        the model's own defaults (`get_default_sampling_params`)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        prompts = [_prompt_of(p) for p in prompts]
+        params = sampling_params or self.get_default_sampling_params()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
@@ -67,6 +70,9 @@ class LLM:
         for req_id, prompt, p in zip(req_ids, prompts, params_list):
             self.engine.add_request(req_id, prompt, p)
         return self._run(req_ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -85,3 +91,14 @@ class LLM:
                         finished[out.req_id] = out
                         bar.update(1)
         return [finished[r] for r in req_ids]
+
+
+def _prompt_of(prompt: Prompt | dict) -> Prompt:
+    """A prompt as text or token ids; vLLM's TextPrompt / TokensPrompt dicts are unwrapped."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")

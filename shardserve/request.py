@@ -16,6 +16,11 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+# the SamplingParams fields a model's generation_config.json may set (models/sampling_defaults.py);
+# requests that leave them out take the model's values
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults follow vLLM's.

@@ -38,6 +38,7 @@ class LLMEngine:
         self.model_config = loaded.model_config
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
+        self.sampling_defaults = loaded.sampling_defaults  # the model's, for fields a request leaves out
         kv = loaded.kv_cache
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
@@ -45,6 +46,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         self.last_step: StepRecord | None = None  # the latest step's batch and wall time
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults (vLLM's get_default_sampling_params)."""
+        return SamplingParams(**self.sampling_defaults)
 
     @property
     def runner(self) -> ModelRunner:

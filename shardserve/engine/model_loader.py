@@ -14,6 +14,7 @@ from shardserve.layers.attention.paged_kv import KVShape
 from shardserve.layers.cpu_kernels import build_all
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.models.registry import model_class
+from shardserve.models.sampling_defaults import sampling_defaults
 from shardserve.models.tokenizer import Tokenizer, load_tokenizer
 from shardserve.parallel.comm import agree_on_min
 from shardserve.parallel.groups import ParallelGroups
@@ -33,6 +34,7 @@ class LoadedModel:
     dtype: torch.dtype
     groups: ParallelGroups
     attention: AttentionBackend  # the model's attention backend; the runner builds its metadata
+    sampling_defaults: dict[str, float]  # the model's, for what a request leaves out
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -51,6 +53,9 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     dtype = resolve_dtype(config.dtype, device)
     checkpoint = load_checkpoint(config.model)
     model_config = checkpoint.config
+    if config.generation_config not in ("auto", "vllm"):
+        raise ConfigError(f"--generation-config takes auto or vllm, not {config.generation_config!r}")
+    defaults = sampling_defaults(config.model, checkpoint.path) if config.generation_config == "auto" else {}
     config.parallel.validate(model_config)
     tokenizer = load_tokenizer(checkpoint)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -65,7 +70,8 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     model.eval()
     kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
     eos = tuple(dict.fromkeys(model_config.eos_token_ids + tokenizer.eos_token_ids))
-    return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups, attention)
+    return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups, attention,
+                       defaults)
 
 
 def _allocate_kv_cache(config: EngineConfig, shape: KVShape, max_model_len: int, dtype: torch.dtype,

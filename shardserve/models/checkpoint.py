@@ -64,14 +64,20 @@ class Checkpoint:
         return GGUFFile.open(self.path) if self.format == "gguf" else SafetensorsFiles.open(self.path)
 
 
+def embedded_name(model: str | None) -> str | None:
+    """The embedded model `model` names ("" and None mean the default), or None (a path)."""
+    name = ((model or DEFAULT_MODEL).strip() or DEFAULT_MODEL).lower()
+    return name if name in EMBEDDED_MODELS else None
+
+
 def resolve_model_path(model: str | None) -> Path:
     """Turn a model argument into a path: an embedded name ("smollm2"; "" and None mean the default)
     -> the .gguf inside its pip package; an existing folder with config.json; an existing .gguf file.
     Anything else raises ConfigError naming the path and the reason."""
-    name = (model or DEFAULT_MODEL).strip() or DEFAULT_MODEL
-    if name.lower() in EMBEDDED_MODELS:
-        return _embedded_gguf(name.lower())
-    path = Path(name).expanduser()
+    name = embedded_name(model)
+    if name is not None:
+        return _embedded_gguf(name)
+    path = Path(model.strip()).expanduser()
     if not path.exists():
         raise ConfigError(f"{path}: no such file or folder")
     if path.is_dir():

@@ -60,7 +60,8 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
             budget = engine.validator.token_budget(ids, max_tokens)
             for i in range(body.n):
                 seed = None if body.seed is None else body.seed + i
-                params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed)
+                params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed,
+                                              engine.sampling_defaults)
                 specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.effective_priority, resume(body, ids, params)))
         return specs
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardserve.request import SamplingParams
+from shardserve.request import MODEL_DEFAULT_FIELDS, SamplingParams
 
 
 BATCH_PRIORITY = 10  # lower runs first: interactive requests default to 0
@@ -26,8 +26,9 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    # None: the model's default (generation_config.json), else SamplingParams'
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -37,9 +38,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     # engine extras (vLLM-compatible names)
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -63,12 +64,15 @@ class SamplingFields(BaseModel):
     def effective_priority(self) -> int:
         return max(self.priority, BATCH_PRIORITY) if self.request_class == "batch" else self.priority
 
-    def sampling_params(self, default_max_tokens: int, num_logprobs: int | None, seed: int | None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, num_logprobs: int | None, seed: int | None,
+                        model_defaults: dict[str, float]) -> SamplingParams:
+        """The engine's SamplingParams; fields the request left out take `model_defaults` first."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        chosen = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is not None}
         return SamplingParams(
+            **{**model_defaults, **chosen},
             max_tokens=self.max_tokens or default_max_tokens, min_tokens=self.min_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed, stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
@@ -131,7 +135,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: str | None = None  # OpenAI's: a string or null (the HTTP status is the status line's)
 
 
 class ErrorResponse(BaseModel):
@@ -142,6 +146,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: 
                500: "internal_server_error", 503: "service_unavailable"}
 
 
+# the codes OpenAI's API reference names; any other error has code null
+ERROR_CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    code = "model_not_found" if status == 404 and param == "model" else ERROR_CODES.get(status)
     return ErrorResponse(error=ErrorDetail(message=message, type=ERROR_TYPES.get(status, "error"),
-                                           param=param, code=status)).model_dump()
+                                           param=param, code=code)).model_dump()

@@ -20,6 +20,7 @@ from shardserve.router.forwarding import Forwarder
 from shardserve.router.metrics import RouterMetrics
 from shardserve.router.policies import make_policy
 from shardserve.router.replica_pool import ReplicaPool
+from shardserve.server.protocol import error_body
 
 Behaviour = Callable[[dict], httpx.Response]
 
@@ -36,7 +37,7 @@ class FakeClock:
 
 
 def _error(status: int, message: str) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"message": message, "type": "error", "param": None, "code": status}})
+    return httpx.Response(status, json=error_body(status, message))  # a replica's error shape
 
 
 def answer(body: dict) -> httpx.Response:

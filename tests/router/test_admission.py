@@ -25,7 +25,7 @@ def test_ten_times_capacity_gets_429s_and_accepted_requests_finish(tiny_checkpoi
                     assert response.json()["usage"]["completion_tokens"] == 24
                 elif response.status_code == 429:
                     assert response.headers.get("retry-after")
-                    assert response.json()["error"]["code"] == 429
+                    assert response.json()["error"]["code"] == "rate_limit_exceeded"
                 return response.status_code
 
             async def flood() -> list[int]:

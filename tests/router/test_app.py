@@ -48,7 +48,7 @@ def test_batch_requests_get_429_with_retry_after_while_interactive_ones_are_in_f
             await until(lambda: len(replicas.received) == 2)  # both are on the replica, unanswered
             deferred = await client.post("/v1/completions", json=BODY, headers=batch_headers)
             assert deferred.status_code == 429 and deferred.headers["retry-after"] == "5"
-            assert deferred.json()["error"]["code"] == 429 and len(replicas.received) == 2
+            assert deferred.json()["error"]["code"] == "rate_limit_exceeded" and len(replicas.received) == 2
             release.set()
             assert [r.status_code for r in await asyncio.gather(*interactive)] == [200, 200]
             assert router.forwarder.num_interactive == 0

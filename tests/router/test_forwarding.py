@@ -67,7 +67,7 @@ def test_a_client_error_is_the_answer_and_no_failure():
     forwarder = make_forwarder(replicas)
     forwarder.pool.replicas["http://r0"].consecutive_failures = 1
     status, body = complete(forwarder)
-    assert status == 400 and body["error"]["code"] == 400 and len(replicas.received) == 1
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and len(replicas.received) == 1
     assert forwarder.pool.replicas["http://r0"].consecutive_failures == 0  # it answered
     assert metric(forwarder, "shardserve_router_requests_total", replica="http://r0", outcome="client_error") == 1
     assert in_flight(forwarder) == ALL_IDLE

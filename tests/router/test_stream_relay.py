@@ -75,7 +75,7 @@ def test_busy_replicas_are_skipped_and_failed_ones_counted_before_the_first_byte
 def test_a_client_error_is_passed_through_and_releases_the_lease():
     forwarder = make_forwarder(FakeReplicas({"http://r0": client_error, "http://r1": stream(), "http://r2": stream()}))
     status, answer = asyncio.run(forwarder.open_stream("completion", "/v1/completions", BODY, "", 0.0))
-    assert status == 400 and answer["error"]["code"] == 400
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
     assert in_flight(forwarder) == ALL_IDLE
 
 
@@ -84,7 +84,7 @@ def test_no_replica_left_mid_stream_ends_with_an_error_event():
     forwarder = make_forwarder(replicas, max_attempts=2)
     events = asyncio.run(open_and_read(forwarder))
     assert text(events) == "t0 t1 "
-    assert events[-2]["error"]["code"] == 503 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "service_unavailable" and events[-1] == "[DONE]"
     assert replicas.urls_received() == ["http://r0", "http://r1"]  # max_attempts counts the resume
     assert in_flight(forwarder) == ALL_IDLE
 

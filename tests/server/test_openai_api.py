@@ -113,6 +113,7 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert resp.status_code == status
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == ("model_not_found" if status == 404 else None)  # a string or null, never the status
     if param:
         assert error["param"] == param
 
@@ -181,3 +182,14 @@ def test_tokenize_and_detokenize_round_trip(server, offline):
                               ("/tokenize", {"model": "other", "prompt": "a"}, "model")):
         refused = httpx.post(f"{server}{path}", json=body, timeout=10)
         assert 400 <= refused.status_code < 500 and refused.json()["error"]["param"] == param
+
+
+def test_omitted_sampling_fields_take_the_models_defaults(client, offline):
+    """The embedded model's card values (temperature 0.2, top_p 0.9) for what the request leaves
+    out: a seeded request without them samples as the offline engine does with them."""
+    got = client.completions.create(model="smol", prompt=PROMPT, max_tokens=24, seed=11)
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.2, top_p=0.9, seed=11))[0].outputs[0]
+    assert got.choices[0].text == ref.text
+    hot = client.completions.create(model="smol", prompt=PROMPT, max_tokens=24, seed=11, temperature=1.0)
+    ref_hot = offline.generate(PROMPT, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11))[0].outputs[0]
+    assert hot.choices[0].text == ref_hot.text  # a field given wins; the others still default

@@ -74,7 +74,7 @@ def test_overload_gets_429_and_accepted_requests_complete():
         accepted = [body for status, _, body in results if status == 200]
         rejected = [(retry, body) for status, retry, body in results if status == 429]
         assert len(accepted) + len(rejected) == 80 and rejected and accepted
-        assert all(retry == "1" and body["error"]["code"] == 429 for retry, body in rejected)
+        assert all(retry == "1" and body["error"]["code"] == "rate_limit_exceeded" for retry, body in rejected)
         assert all(body["usage"]["completion_tokens"] == 8 for body in accepted)
         assert httpx.get(f"{url}/health").status_code == 200
         assert rss_mib(proc.pid) - rss_before < 200
