@@ -6,7 +6,7 @@ import sys
 import uuid
 
 from shardserve.engine.cli_args import add_engine_args, engine_kwargs
-from shardserve.server.auth import add_auth_args
+from shardserve.server.auth import add_auth_args, add_tls_args
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -51,12 +51,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.config import ServerConfig
     from shardserve.llm import engine_config_from_kwargs
-    from shardserve.server.auth import auth_from_args
+    from shardserve.server.auth import auth_from_args, tls_from_args
     from shardserve.server.serve import run_server
 
     model = args.model_pos or args.model
     server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          max_waiting_requests=args.max_waiting_requests, log_level=args.log_level,
+                          max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
+                          log_level=args.log_level, **tls_from_args(args),
                           calibration=args.calibration, device_price_per_hour_usd=args.device_price_per_hour)
     return run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server, auth_from_args(args))
 
@@ -65,7 +66,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     from shardserve.config import RouterConfig
     from shardserve.router.policies import make_policy
     from shardserve.router.serve import run_router
-    from shardserve.server.auth import auth_from_args
+    from shardserve.server.auth import auth_from_args, tls_from_args
 
     make_policy(args.policy)  # an unknown policy fails here, in one line
     config = RouterConfig(
@@ -73,7 +74,8 @@ def cmd_route(args: argparse.Namespace) -> int:
         max_outstanding_per_replica=args.max_outstanding_per_replica, probe_interval_s=args.probe_interval,
         probe_timeout_s=args.probe_timeout, batch_capacity_fraction=args.batch_capacity_fraction,
         eject_after_failures=args.eject_after_failures, stall_timeout_s=args.stall_timeout,
-        max_attempts=args.max_attempts, log_level=args.log_level,
+        max_attempts=args.max_attempts, max_request_bytes=args.max_request_bytes, log_level=args.log_level,
+        **tls_from_args(args),
     )
     return run_router(config, auth_from_args(args))
 
@@ -97,8 +99,10 @@ def add_route_parser(sub) -> None:
     route.add_argument("--stall-timeout", type=float, default=10.0,
                        help="seconds without data after which a stream moves to another replica")
     route.add_argument("--max-attempts", type=int, default=4, help="replicas one request may try")
+    route.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
     route.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_auth_args(route)
+    add_tls_args(route)
     route.set_defaults(func=cmd_route)
 
 
@@ -145,6 +149,7 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="unscheduled requests beyond this get HTTP 429")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--calibration", default=None, metavar="FILE",
                        help="`shardserve profile`'s calibration.json: device peaks for the live MFU/MBU metrics")
@@ -153,6 +158,7 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
                             "(default: the calibration's, else 0)")
     serve.add_argument("--config", help="YAML file of flag values; command-line flags override it")
     add_auth_args(serve)
+    add_tls_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     from shardserve.bench.cli_args import add_bench_parser

@@ -340,6 +340,10 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # defaults to the --model value
     max_waiting_requests: int = 256  # beyond this many unscheduled requests, answer 429
+    # a larger body is answered 413 unread; a full 128k-token prompt as JSON ids is about 1 MiB
+    max_request_bytes: int = 8 << 20
+    ssl_keyfile: str | None = None  # both set: HTTPS (uvicorn's TLS)
+    ssl_certfile: str | None = None
     log_level: str = "info"
     # live efficiency metrics: the profiler's calibration file (device peaks) and the device price
     calibration: str | None = None
@@ -368,6 +372,9 @@ class RouterConfig:
     max_attempts: int = 4  # replicas one request may try (first try, retries and resumes)
     prefix_chars: int = 256  # prefix-aware routing keys on this much of the prompt
     prefix_load_slack: float = 1.25  # ... unless its replica is this much above the mean load
+    max_request_bytes: int = 8 << 20  # as ServerConfig's
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
     log_level: str = "warning"
 
     def __post_init__(self) -> None:

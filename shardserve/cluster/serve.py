@@ -40,7 +40,8 @@ async def _serve(config: ClusterConfig, log_dir: Path, auth: AuthConfig) -> int:
     add_cluster_routes(app, supervisor)
     server = uvicorn.Server(uvicorn.Config(app, host=config.router.host, port=config.router.port,
                                            log_level=config.router.log_level, access_log=False,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, ssl_keyfile=config.router.ssl_keyfile,
+                                           ssl_certfile=config.router.ssl_certfile))
 
     def request_exit(_signum, _frame) -> None:
         server.should_exit = True

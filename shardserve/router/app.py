@@ -30,6 +30,7 @@ from shardserve.router.policies import make_policy
 from shardserve.router.replica_pool import ReplicaPool
 from shardserve.router.stream_relay import StreamRelay
 from shardserve.server.auth import AuthConfig, AuthMiddleware
+from shardserve.server.limits import BodyLimitMiddleware
 from shardserve.server.protocol import error_body
 
 
@@ -107,7 +108,8 @@ def build_router_app(config: RouterConfig, auth: AuthConfig = AuthConfig()) -> t
         await router.client.aclose()
 
     app = FastAPI(title="shardserve router", lifespan=lifespan)
-    app.add_middleware(AuthMiddleware, config=auth)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(AuthMiddleware, config=auth)  # outermost: no key, nothing read
 
     @app.exception_handler(RouterError)
     async def router_error(_, exc: RouterError):

@@ -10,6 +10,8 @@ SHARDSERVE_API_KEY / SHARDSERVE_ADMIN_KEY, which is also how a cluster hands its
 replicas it starts. A refusal is a 401 in OpenAI's error shape and happens before the request's
 body is read: nothing is generated or changed. Keys are compared in constant time, against every
 configured key, so neither a key's prefix nor its position in the list shows in the timing.
+The TLS flags (`--ssl-keyfile`, `--ssl-certfile`: uvicorn serves HTTPS) are here too, so that the
+keys need not cross a network in clear text.
 """
 from __future__ import annotations
 
@@ -109,6 +111,18 @@ def add_auth_args(parser) -> None:
                        help=f"the key for /admin/* routes (repeat; or ${ADMIN_KEY_ENV})")
     group.add_argument("--admin-key-file", default=None, help="a file of admin keys, one per line")
     group.add_argument("--open-probes", action="store_true", help="/health and /metrics need no key")
+
+
+def add_tls_args(parser) -> None:
+    parser.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    parser.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+
+
+def tls_from_args(args) -> dict[str, str | None]:
+    """ServerConfig / RouterConfig fields; one without the other is refused in one line."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile}
 
 
 def auth_from_args(args) -> AuthConfig:

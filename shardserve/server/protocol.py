@@ -5,7 +5,7 @@ repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) are accepted as
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,6 +13,7 @@ from shardserve.request import MODEL_DEFAULT_FIELDS, SamplingParams
 
 
 BATCH_PRIORITY = 10  # lower runs first: interactive requests default to 0
+MAX_STOP_STRINGS = 16  # each one is searched for in every step's new text
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +33,7 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -142,7 +143,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 413: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
                500: "internal_server_error", 503: "service_unavailable"}
 
 

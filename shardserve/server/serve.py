@@ -14,6 +14,7 @@ from shardserve.server.api import build_app
 from shardserve.server.async_engine import AsyncEngine
 from shardserve.server.auth import AuthConfig, AuthMiddleware
 from shardserve.server.efficiency_metrics import efficiency_config
+from shardserve.server.limits import BodyLimitMiddleware
 from shardserve.server.metrics import ServerMetrics
 
 
@@ -29,7 +30,8 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth:
     info = {"dtype": engine_config.dtype, "device": engine_config.device,
             "layout": {"tp": par.tp_size, "pp": par.pp_size, "ep": par.ep_size, "world_size": par.world_size}}
     app = build_app(async_engine, metrics, model_name, info)
-    app.add_middleware(AuthMiddleware, config=auth)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
+    app.add_middleware(AuthMiddleware, config=auth)  # outermost: no key, nothing read
     return app, async_engine
 
 
@@ -45,7 +47,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, auth: A
     # and stalls the engine loop for about 100 ms, at random, in the middle of serving.
     gc.freeze()
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                           log_level=server_config.log_level, timeout_graceful_shutdown=5))
+                                           log_level=server_config.log_level, timeout_graceful_shutdown=5,
+                                           ssl_keyfile=server_config.ssl_keyfile,
+                                           ssl_certfile=server_config.ssl_certfile))
     stopping = threading.Event()
 
     def stop(_signum, _frame):
@@ -55,7 +59,17 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, auth: A
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http_failed = threading.Event()
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            if not stopping.is_set():  # uvicorn gave up (its port taken, say): no API, no replica
+                http_failed.set()
+                async_engine.stop()
+
+    http = threading.Thread(target=serve_http, name="http", daemon=True)
     http.start()
     async_engine.run_forever()
     parallel = engine_config.parallel.world_size > 1
@@ -64,7 +78,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, auth: A
         stopping.wait(1.0)  # let the handlers send the failed requests' errors
     while not parallel and not stopping.is_set() and http.is_alive():  # keep answering 503 until told to stop
         stopping.wait(0.5)
+    stopping.set()  # from here on, the HTTP server stops because it is told to
     server.should_exit = True
     http.join(10)
     async_engine.engine.shutdown()
-    return 1 if async_engine.error is not None else 0
+    if http_failed.is_set():
+        logging.getLogger(__name__).error("the HTTP server stopped (see above); exiting")
+    return 1 if async_engine.error is not None or http_failed.is_set() else 0

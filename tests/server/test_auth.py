@@ -3,6 +3,11 @@ router behind them, called with the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import signal
+import ssl
+import subprocess
 import sys
 import time
 
@@ -144,3 +149,47 @@ def test_a_cluster_probes_its_replicas_with_its_key(tmp_path):
 
     asyncio.run(main())
     assert probed_with == [f"Bearer {USER}"] * 2
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_https_with_a_key(tiny_checkpoints, tmp_path):
+    """--ssl-keyfile / --ssl-certfile: the openai client talks HTTPS (verifying a self-signed
+    certificate) and still needs the key."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    trust = ssl.create_default_context(cafile=str(cert))
+    port = free_port()
+    cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(tiny_checkpoints["llama"]), "--port", str(port),
+           "--kv-cache-memory", str(4 << 20), "--api-key", USER, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        with httpx.Client(verify=trust, headers={"Authorization": f"Bearer {USER}"}, timeout=2) as http:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, "the HTTPS server did not come up"
+                try:
+                    if http.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.3)
+        with httpx.Client(verify=trust) as tls:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=USER, http_client=tls, max_retries=0)
+            answer = client.completions.create(model=str(tiny_checkpoints["llama"]), prompt="hi", max_tokens=3)
+            assert answer.usage.completion_tokens == 3
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"{url}/v1", api_key=OTHER, http_client=tls, max_retries=0).models.list()
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def test_half_a_tls_setup_is_a_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "shardserve.cli", "serve", "--ssl-keyfile", "k.pem"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--ssl-certfile" in proc.stderr and "Traceback" not in proc.stderr

@@ -105,6 +105,7 @@ def test_async_client_concurrent_requests(server, offline):
     (b'{"model": "smol", "prompt": [999999999]}', 400, "prompt"),
     (b'{"model": "smol", "prompt": "' + b"word " * 1100 + b'"}', 400, "prompt"),
     (b'{"model": "other", "prompt": "hi"}', 404, "model"),
+    (b'{"model": "smol", "prompt": "hi", "stop": [' + b",".join([b'"s"'] * 17) + b']}', 400, "stop"),
     (b'{"model": "smol", "messages": []}', 400, "messages"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):

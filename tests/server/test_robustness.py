@@ -3,6 +3,7 @@ import asyncio
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from shardserve.ports import free_port
 from tests.server_process import running_server, scrape
 
 
@@ -100,3 +102,23 @@ def test_schema_fuzz_finds_no_server_errors(tiny_checkpoints, tmp_path):
         generated = re.search(r"(\d+) generated", proc.stdout)
         assert generated and int(generated.group(1)) >= 200, tail
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_taken_port_ends_the_server_instead_of_leaving_it_headless(tiny_checkpoints):
+    """uvicorn cannot bind: the replica exits 1 with the reason, rather than running an engine
+    nobody can reach (a supervisor then restarts it on another port)."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        proc = subprocess.run([sys.executable, "-m", "shardserve.cli", "serve", str(tiny_checkpoints["llama"]),
+                               "--port", str(port), "--kv-cache-memory", str(4 << 20), "--log-level", "warning"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "address already in use" in proc.stderr
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range():
+    """Outgoing connections (the gloo mesh between ranks, say) take ephemeral ports: a port
+    picked from that range could be gone before its server binds it."""
+    low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert not any(low <= free_port() <= high for _ in range(200))
