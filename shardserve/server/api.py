@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI). Handlers validate and tokenize, submit to the
 AsyncEngine, and answer whole or as a server-sent-event stream.
 
-Status codes: 400 invalid parameters or prompt; 404 unknown model; 429 (with Retry-After) when the
-waiting queue is full; 503 when the engine is dead. Bad input never yields a 5xx.
+Status codes: 400 invalid parameters or prompt; 401 a missing or wrong API key (auth.py); 404
+unknown model; 413 a body over the size limit (limits.py); 429 (with Retry-After) when the waiting
+queue is full; 503 when the engine is dead. Bad input never yields a 5xx.
 """
 from __future__ import annotations
 
