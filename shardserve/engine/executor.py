@@ -9,7 +9,7 @@ The parallel executor is the driver's side of a replica split over several proce
         broadcast_object_list([sched]) ------------->  receive sched
         worker.execute(sched)  <---- hidden states, all-reduces, sampled tokens ---->  worker.execute(sched)
 
-Messages go over the gloo control group with torch.distributed; there is no other channel. A
+Messages go over the gloo control group (parallel/comm.py); there is no other channel. A
 rank that dies breaks the next collective (gloo sees the closed connection), one that hangs
 makes it time out after `comm_timeout_s`: either way every survivor raises and exits, and the
 driver fails its in-flight requests. An idle driver sends a Heartbeat every `heartbeat_s` so
@@ -28,7 +28,6 @@ import time
 from contextlib import contextmanager
 from typing import Protocol
 
-import torch.distributed as dist
 
 from shardserve.engine.interface import (
     CollectExpertLoad, CollectStepStats, Heartbeat, ModelRunnerOutput, RebalanceExperts, SchedulerOutput, Shutdown,
@@ -36,6 +35,7 @@ from shardserve.engine.interface import (
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.worker import StepStats, Worker
 from shardserve.models.moe import expert_load, rebalance_experts
+from shardserve.parallel.comm import broadcast_object
 from shardserve.parallel.expert import ExpertLoadReport
 from shardserve.parallel.launch import Ranks
 
@@ -151,7 +151,7 @@ class ParallelExecutor:
             raise
 
     def _send(self, message) -> None:
-        dist.broadcast_object_list([message], src=0, group=self.worker.groups.control)
+        broadcast_object(message, src=0, group=self.worker.groups.control)
         self._last_sent = time.monotonic()
 
 
@@ -167,9 +167,7 @@ def run_worker_loop(worker: Worker) -> None:
         Heartbeat: lambda _: None,
     }
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=worker.groups.control)
-        message = box[0]
+        message = broadcast_object(None, src=0, group=worker.groups.control)
         if isinstance(message, Shutdown):
             return
         handlers[type(message)](message)

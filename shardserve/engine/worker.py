@@ -4,7 +4,7 @@ Every rank receives the same SchedulerOutput from the driver (rank 0), so every 
 ModelRunner keeps the same request state and builds the same packed inputs. The step's sequences
 are cut into micro-batches that flow through the pipeline stages:
 
-    stage 0:  [mb0][mb1][mb2]                      each arrow: dist.send of the residual
+    stage 0:  [mb0][mb1][mb2]                      each arrow: a send of the residual
     stage 1:       [mb0][mb1][mb2]                 stream [T_mb, hidden] to the rank with the
                    ^ waits (bubble)                same position in the next stage
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.models.moe import expert_load, rebalance_experts
+from shardserve.parallel.comm import broadcast_object, gather_objects, isend, recv
 from shardserve.parallel.groups import ParallelGroups
 
 
@@ -85,8 +85,7 @@ class Worker:
             return None
         hidden_in = torch.empty(num_tokens, self.hidden_size, dtype=self.runner.kv_cache.dtype,
                                 device=self.runner.device)
-        dist.recv(hidden_in, src=self.groups.prev_stage_rank)
-        return hidden_in
+        return recv(hidden_in, src=self.groups.prev_stage_rank)
 
     def compute(self, run: Callable[[], dict[str, SampledToken]]) -> dict[str, SampledToken]:
         """Run one micro-batch's layers (and head); its time, communication excluded, is compute."""
@@ -97,29 +96,24 @@ class Worker:
 
     def send(self, hidden: torch.Tensor) -> None:
         # the tensor stays referenced until its send completes
-        self._sends.append((dist.isend(hidden, dst=self.groups.next_stage_rank), hidden))
+        self._sends.append((isend(hidden, dst=self.groups.next_stage_rank), hidden))
 
     def finish(self, sampled: dict[str, SampledToken]) -> dict[str, SampledToken]:
         """Wait for this step's sends; the sampled tokens, from the sampling rank to every rank."""
         for send, _ in self._sends:
             send.wait()
         self._sends = []
-        box = [sampled if self.samples else None]
-        dist.broadcast_object_list(box, src=self.groups.sampler_rank, group=self.groups.control)
-        return box[0]
+        return broadcast_object(sampled if self.samples else None, src=self.groups.sampler_rank,
+                                group=self.groups.control)
 
     # --- the driver's collections ----------------------------------------------------------------
     def expert_load(self) -> list[dict] | None:
         """Every rank's `moe.expert_load`, gathered on the driver (None elsewhere)."""
-        mine = expert_load(self.runner.model)
-        reports = [None] * self.groups.world_size if self.groups.is_driver else None
-        dist.gather_object(mine, reports, dst=0, group=self.groups.control)
-        return reports
+        return gather_objects(expert_load(self.runner.model), dst=0, group=self.groups.control)
 
     def step_stats(self, reset: bool) -> list[StepStats] | None:
         """Every rank's StepStats, gathered on the driver (None elsewhere); `reset` restarts them."""
-        reports = [None] * self.groups.world_size if self.groups.is_driver else None
-        dist.gather_object(self.stats, reports, dst=0, group=self.groups.control)
+        reports = gather_objects(self.stats, dst=0, group=self.groups.control)
         if reset:
             self.stats = StepStats(self.groups.rank)
         return reports

@@ -54,3 +54,29 @@ def agree_on_min(value: int, group) -> int:
     box = torch.tensor([value])
     dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
     return int(box)
+
+
+def broadcast_object(obj, src: int, group):
+    """Rank `src`'s `obj` (a picklable message), returned on every rank of `group`; the other
+    ranks' `obj` is ignored."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather_objects(obj, dst: int, group) -> list | None:
+    """Every rank's `obj` in rank order on rank `dst`; None on the others."""
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    return gathered
+
+
+def recv(tensor: torch.Tensor, src: int) -> torch.Tensor:
+    """Fill `tensor` from rank `src` (a pipeline stage's input)."""
+    dist.recv(tensor, src=src)
+    return tensor
+
+
+def isend(tensor: torch.Tensor, dst: int):
+    """Start sending `tensor` to rank `dst`; wait on the returned handle before reusing it."""
+    return dist.isend(tensor, dst=dst)
