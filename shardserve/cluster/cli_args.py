@@ -20,7 +20,7 @@ import time
 import httpx
 
 from shardserve.config import ConfigError
-from shardserve.server.auth import ADMIN_KEY_ENV, add_auth_args
+from shardserve.server.auth import ADMIN_KEY_ENV, AuthConfig, add_auth_args
 
 POLL_S = 0.5
 
@@ -55,7 +55,7 @@ def _add_remote_key(parser: argparse.ArgumentParser) -> None:
 
 def _admin_headers(args: argparse.Namespace) -> dict[str, str]:
     key = args.remote_admin_key or os.environ.get(ADMIN_KEY_ENV)
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    return AuthConfig(admin_keys=(key,) if key else ()).bearer_header()
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
