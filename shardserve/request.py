@@ -22,6 +22,30 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output's text (engine/grammar.py compiles it): exactly one of a JSON
+    schema (as JSON text), any JSON object, a regular expression, one of a list of strings, or a
+    grammar (Lark, or GBNF). `source` is the request field it came from, for error messages."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
+    grammar: str | None = None
+    source: str | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "choice", tuple(self.choice or ()))
+        kinds = [self.json is not None, self.json_object, self.regex is not None, bool(self.choice),
+                 self.grammar is not None]
+        if sum(kinds) != 1:
+            raise InvalidRequestError("structured outputs take exactly one of json, json_object, regex, choice "
+                                      "and grammar", self.source or "structured_outputs")
+        if any(not isinstance(c, str) or not c for c in self.choice):
+            raise InvalidRequestError("each choice must be a non-empty string", self.source or "structured_outputs")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults follow vLLM's.
 
@@ -46,6 +70,7 @@ class SamplingParams:
     # return the sampled token's logprob and this many top ones (-1: the whole vocabulary)
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         # Accept lists from callers; keep the dataclass hashable and immutable.

@@ -42,7 +42,8 @@ class LLMEngine:
         kv = loaded.kv_cache
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.validator = InputValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.validator = InputValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                        loaded.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         self.last_step: StepRecord | None = None  # the latest step's batch and wall time
@@ -69,6 +70,7 @@ class LLMEngine:
         delivered (`resume.num_text_chars`) is not sent again."""
         params = params or SamplingParams()
         token_ids = self.validator.prompt_ids(prompt)
+        self.validator.structured_outputs(params)
         if resume is not None:
             self.validator.resume(token_ids, params, resume.output_token_ids)
         req = Request(

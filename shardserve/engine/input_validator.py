@@ -8,10 +8,19 @@ from shardserve.request import InvalidRequestError, SamplingParams
 
 
 class InputValidator:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, grammars=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = grammars  # engine/grammar.py's Grammars: structured outputs
+
+    def structured_outputs(self, params: SamplingParams) -> None:
+        """Raises InvalidRequestError (naming the field) unless the request's structured output,
+        if any, compiles within the size and nesting limits."""
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("this engine has no grammar support", "structured_outputs")
+            self.grammars.compile(params.structured_outputs)
 
     def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids (text is encoded). Raises InvalidRequestError unless the prompt
@@ -46,6 +55,9 @@ class InputValidator:
         self.check_vocab(ids, "resume token ids", "resume_token_ids")
         if len(prompt_ids) + len(ids) >= max_num_tokens(len(prompt_ids), params.max_tokens, self.max_model_len):
             raise InvalidRequestError("the resumed request has no token budget left", "resume_token_ids")
+        if params.structured_outputs is not None:  # the grammar is replayed over them
+            self.structured_outputs(params)
+            self.grammars.check_tokens(params.structured_outputs, list(ids))
 
     def check_vocab(self, ids, what: str, param: str) -> None:
         """Raises InvalidRequestError unless every id is a token of the vocabulary."""

@@ -8,6 +8,7 @@ import torch
 
 from shardserve.config import ConfigError, EngineConfig, ModelConfig
 from shardserve.dtypes import ENGINE_DTYPES
+from shardserve.engine.grammar import Grammars
 from shardserve.engine.kv_cache import KVCache, kv_budget_bytes
 from shardserve.layers.attention.backend import AttentionBackend, attention_backend
 from shardserve.layers.attention.paged_kv import KVShape
@@ -35,6 +36,7 @@ class LoadedModel:
     groups: ParallelGroups
     attention: AttentionBackend  # the model's attention backend; the runner builds its metadata
     sampling_defaults: dict[str, float]  # the model's, for what a request leaves out
+    grammars: Grammars  # structured outputs over this model's vocabulary
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -70,8 +72,9 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     model.eval()
     kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
     eos = tuple(dict.fromkeys(model_config.eos_token_ids + tokenizer.eos_token_ids))
+    grammars = Grammars(tokenizer, model_config.vocab_size, eos)
     return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups, attention,
-                       defaults)
+                       defaults, grammars)
 
 
 def _allocate_kv_cache(config: EngineConfig, shape: KVShape, max_model_len: int, dtype: torch.dtype,

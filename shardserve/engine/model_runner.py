@@ -8,6 +8,7 @@ from typing import Callable, Protocol
 import torch
 
 from shardserve.config import ModelConfig
+from shardserve.engine.grammar import Grammars, bitmask_words
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.kv_cache import KVCache
 from shardserve.engine.sampler import SamplingState, sample
@@ -61,13 +62,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
-                 eos_token_ids: tuple[int, ...], device: torch.device, attention: AttentionBackend):
+                 eos_token_ids: tuple[int, ...], device: torch.device, attention: AttentionBackend,
+                 grammars: Grammars | None = None):
         self.model = model
         self.model_config = model_config
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.attention = attention
+        self.grammars = grammars  # for requests with structured outputs
         self.states: dict[str, SamplingState] = {}
         if device.type == "cpu":  # compiled now (then cached on disk), not while a first request waits
             build_all()
@@ -76,7 +79,7 @@ class ModelRunner:
     def for_model(cls, loaded) -> "ModelRunner":
         """The runner of a loaded model (engine/model_loader.py's LoadedModel)."""
         return cls(loaded.model, loaded.model_config, loaded.kv_cache, loaded.eos_token_ids, loaded.device,
-                   loaded.attention)
+                   loaded.attention, loaded.grammars)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, stage: "Stage | None" = None) -> ModelRunnerOutput:
@@ -122,11 +125,29 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, vocab] float32
         states = [self.states[r] for r in inputs.sample_req_ids]
-        return dict(zip(inputs.sample_req_ids, sample(logits.cpu(), states)))
+        return dict(zip(inputs.sample_req_ids, sample(logits.cpu(), states, self.grammar_masks(states))))
+
+    def grammar_masks(self, states: list[SamplingState]) -> torch.Tensor | None:
+        """The allowed-token bitmask of each state (None when no state has a grammar). A state's
+        matcher is made when it is first sampled here, replaying the output it already has."""
+        rows = [i for i, s in enumerate(states) if s.params.structured_outputs is not None]
+        if not rows:
+            return None
+        for i in rows:
+            state = states[i]
+            if state.matcher is None:
+                state.matcher = self.grammars.matcher(state.params.structured_outputs,
+                                                      state.token_ids[state.num_prompt_tokens:])
+        bitmask = torch.full((len(states), bitmask_words(self.grammars.vocab_size)), -1, dtype=torch.int32)
+        self.grammars.fill_masks([states[i].matcher for i in rows], rows, bitmask)
+        return bitmask
 
     def record(self, sampled: dict[str, SampledToken]) -> None:
         for req_id, token in sampled.items():
-            self.states[req_id].token_ids.append(token.token_id)
+            state = self.states[req_id]
+            state.token_ids.append(token.token_id)
+            if state.matcher is not None:
+                state.matcher.consume_token(token.token_id)
 
     def prepare_inputs(self, seqs: list[ScheduledSeq]) -> StepInputs:
         """Pack decodes first (one token each, longest context first), then prefill chunks; the

@@ -1,4 +1,5 @@
-"""Token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Token sampling: penalties, grammar masks, temperature, top-k / top-p / min-p, seeded draws,
+logprobs.
 
 A draw is a pure function of (seed, position, logits): one uniform number `u` is hashed from
 (seed, position) and the token is where `u` falls on the row's cumulative distribution (inverse
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardserve.engine.grammar import apply_token_bitmask
 from shardserve.engine.interface import SampledToken
 from shardserve.layers.cpu_kernels import load_argmax_rows
 from shardserve.request import SamplingParams
@@ -28,6 +30,7 @@ class SamplingState:
     token_ids: list[int]
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...] = ()
+    matcher: object | None = None  # the grammar's state, with structured outputs (engine/grammar.py)
 
     @property
     def num_output_tokens(self) -> int:
@@ -56,15 +59,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[SampledToken]:
+def sample(logits: torch.Tensor, states: list[SamplingState], bitmask: torch.Tensor | None = None) -> list[SampledToken]:
     """logits: [N, vocab] float32, row i for states[i]; each state's next token goes at
-    position len(state.token_ids). Returns one SampledToken per row."""
+    position len(state.token_ids). `bitmask` ([N, words] int32, engine/grammar.py) holds the
+    tokens each row's grammar allows (all ones for a row without one). Returns one SampledToken
+    per row; logprobs are those of the raw logits, as vLLM reports them by default."""
     raw_logits = logits
-    if any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in states):
+    if bitmask is not None or any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in states):
         logits = logits.clone()
         for row, state in enumerate(states):
             _apply_penalties(logits[row], state)
-            _mask_early_stop(logits[row], state)
+            if state.params.structured_outputs is None:  # a grammar decides when its output may end
+                _mask_early_stop(logits[row], state)
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
     token_ids = greedy_tokens(logits)
     random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
     if random_rows:

@@ -64,6 +64,8 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
                 params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed,
                                               engine.sampling_defaults)
                 specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.effective_priority, resume(body, ids, params)))
+        if specs:  # they share one constraint: compiled (or refused with a 400) once, here
+            engine.validator.structured_outputs(specs[0].params)
         return specs
 
     def chat_prompt(messages, add_generation_prompt: bool) -> str:

@@ -5,11 +5,12 @@ repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) are accepted as
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardserve.request import MODEL_DEFAULT_FIELDS, SamplingParams
+from shardserve.request import MODEL_DEFAULT_FIELDS, InvalidRequestError, SamplingParams, StructuredOutputs
 
 
 BATCH_PRIORITY = 10  # lower runs first: interactive requests default to 0
@@ -18,6 +19,37 @@ MAX_STOP_STRINGS = 16  # each one is searched for in every step's new text
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def _schema_text(schema: dict | str | bool) -> str:
+    # one text per schema whatever the key order, so equal schemas share a compiled grammar
+    return json.dumps(json.loads(schema) if isinstance(schema, str) else schema, sort_keys=True)
 
 
 class SamplingFields(BaseModel):
@@ -55,6 +87,50 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     resume_token_ids: list[int] | None = None
     resume_text_chars: int = Field(default=0, ge=0)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output_spec(self) -> StructuredOutputs | None:
+        """The request's output constraint, from whichever field gave it (at most one may)."""
+        specs = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            specs.append(StructuredOutputs(json_object=True, source="response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format json_schema needs json_schema.schema", "response_format")
+            specs.append(StructuredOutputs(json=self._schema(fmt.json_schema.schema_, "response_format"),
+                                             source="response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            specs.append(StructuredOutputs(
+                json=None if so.json_ is None else self._schema(so.json_, "structured_outputs"),
+                json_object=bool(so.json_object), regex=so.regex, choice=tuple(so.choice or ()),
+                grammar=so.grammar, source="structured_outputs"))
+        legacy = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        for name, value in legacy.items():
+            if value is None:
+                continue
+            kind = name.removeprefix("guided_")
+            value = self._schema(value, name) if kind == "json" else tuple(value) if kind == "choice" else value
+            specs.append(StructuredOutputs(**{kind: value}, source=name))
+        if len(specs) > 1:
+            raise InvalidRequestError("give at most one of response_format, structured_outputs and guided_*",
+                                      specs[1].source)
+        return specs[0] if specs else None
+
+    @staticmethod
+    def _schema(schema, field: str) -> str:
+        try:
+            return _schema_text(schema)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequestError(f"{field}: the JSON schema is not valid JSON ({exc})", field) from None
 
     @property
     def include_usage(self) -> bool:
@@ -77,7 +153,7 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=seed, stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured_output_spec(),
         )
 
 

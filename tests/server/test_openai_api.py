@@ -8,27 +8,9 @@ import openai
 import pytest
 
 from shardserve import SamplingParams
-from shardserve.llm import LLM
-from tests.server_process import running_server, scrape
+from tests.server_process import scrape
 
-ENGINE_ARGS = ["--model", "smollm2", "--kv-cache-memory", str(64 << 20), "--max-model-len", "1024"]
 PROMPT = "The three primary colors are"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server(*ENGINE_ARGS, "--served-model-name", "smol") as (url, _):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM("smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, show_progress=False)
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
 
 
 def test_completion_matches_offline_engine_greedy_and_seeded(client, offline):
