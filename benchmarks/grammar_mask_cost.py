@@ -6,7 +6,8 @@ CPU, between two forward passes. Its cost has to stay well under a decode step (
 SmolLM2 on 2 cores), or constrained throughput collapses.
 
 What is timed, for each engine and each JSON schema below:
-    compile   the schema -> grammar compile (cold, then cached: what a server pays once per schema)
+    compile   the schema -> grammar compile and a first matcher (cold: what a server pays once
+              per schema; llguidance builds lazily, so part of its cost moves to the first masks)
     mask      one next-token mask (bitmask over the vocab) + advancing by the chosen token
 Two token paths per schema: `document` (a valid instance, tokenized the way the model would write
 it) and `walk` (tokens drawn at random among the allowed ones, seeded: strings, numbers and
@@ -142,6 +143,7 @@ def measure(engine, tokenizer, walks: int) -> dict:
     for name, (schema, instance) in SCHEMAS.items():
         start = time.perf_counter()
         grammar = engine.compile(schema)
+        engine.matcher(grammar)
         compile_ms = (time.perf_counter() - start) * 1e3
         document = tokenizer.encode(json.dumps(instance, separators=(", ", ": ")), add_special_tokens=False)
         doc_us = run_path(engine, grammar, document, None)

@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = args.model_pos or args.model
     server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
-                          log_level=args.log_level, **tls_from_args(args),
+                          log_level=args.log_level, tool_call_parser=args.tool_call_parser, **tls_from_args(args),
                           calibration=args.calibration, device_price_per_hour_usd=args.device_price_per_hour)
     return run_server(engine_config_from_kwargs(model, **engine_kwargs(args)), server, auth_from_args(args))
 
@@ -151,6 +151,8 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
                        help="unscheduled requests beyond this get HTTP 429")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
+                       help="the model's tool-call format: how tools are shown to it and its calls read back")
     serve.add_argument("--calibration", default=None, metavar="FILE",
                        help="`shardserve profile`'s calibration.json: device peaks for the live MFU/MBU metrics")
     serve.add_argument("--device-price-per-hour", type=float, default=None, metavar="USD",

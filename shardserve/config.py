@@ -345,6 +345,7 @@ class ServerConfig:
     ssl_keyfile: str | None = None  # both set: HTTPS (uvicorn's TLS)
     ssl_certfile: str | None = None
     log_level: str = "info"
+    tool_call_parser: str = "hermes"  # how tool calls are written: hermes | llama3_json | mistral
     # live efficiency metrics: the profiler's calibration file (device peaks) and the device price
     calibration: str | None = None
     device_price_per_hour_usd: float | None = None  # default: the calibration's hardware price, else 0

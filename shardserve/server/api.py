@@ -19,12 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve import __version__
-from shardserve.request import InvalidRequestError, RequestOutput, Resume
+from shardserve.request import InvalidRequestError, RequestOutput, Resume, StructuredOutputs
 from shardserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestSpec, RequestStream
 from shardserve.server.metrics import ServerMetrics
 from shardserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_body)
 from shardserve.server.responses import ResponseBuilder
+from shardserve.server.tool_calls import ToolCallFormat, forced_call_grammar, template_inputs, tool_format
 
 
 class APIError(Exception):
@@ -44,17 +45,22 @@ class Call:
     num_resumed_tokens: int = 0  # output tokens another replica already produced (resume)
 
 
-def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str, model_info: dict | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str, model_info: dict | None = None,
+              tool_call_parser: str = "hermes") -> FastAPI:
+    """The API over `async_engine`; tool calls are read and written in `tool_call_parser`'s
+    format (server/tool_calls.py)."""
     app = FastAPI(title="shardserve", version=__version__)
     engine = async_engine.engine
     tokenizer = engine.tokenizer
+    tools_format: ToolCallFormat = tool_format(tool_call_parser)
     _install_error_handlers(app)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model")
 
-    def make_specs(body, prompts: list[list[int]], num_logprobs: int | None, max_tokens: int | None) -> list[RequestSpec]:
+    def make_specs(body, prompts: list[list[int]], num_logprobs: int | None, max_tokens: int | None,
+                   constraint: StructuredOutputs | None = None) -> list[RequestSpec]:
         specs = []
         base = uuid.uuid4().hex
         for p_index, ids in enumerate(prompts):
@@ -62,17 +68,19 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
             for i in range(body.n):
                 seed = None if body.seed is None else body.seed + i
                 params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed,
-                                              engine.sampling_defaults)
+                                              engine.sampling_defaults, constraint)
                 specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.effective_priority, resume(body, ids, params)))
         if specs:  # they share one constraint: compiled (or refused with a 400) once, here
             engine.validator.structured_outputs(specs[0].params)
         return specs
 
-    def chat_prompt(messages, add_generation_prompt: bool) -> str:
-        """The conversation through the model's chat template (400 if the template refuses it)."""
+    def chat_prompt(messages, add_generation_prompt: bool, tools: list[dict] = ()) -> str:
+        """The conversation (and the tools it may call) through the model's chat template (400 if
+        the template refuses it)."""
+        rendered, extra = template_inputs(tools_format, tokenizer.chat_template, [m.for_template() for m in messages],
+                                          list(tools))
         try:
-            return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                 add_generation_prompt=add_generation_prompt)
+            return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # a template's raise_exception: the conversation is malformed
             raise APIError(400, f"chat template rejected the messages: {exc}", "messages") from None
 
@@ -126,12 +134,20 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        text = chat_prompt(body.messages, body.add_generation_prompt)
+        tools, forced = body.active_tools(), body.forced_tools()
+        text = chat_prompt(body.messages, body.add_generation_prompt, tools)
         ids = engine.validator.prompt_ids(text, add_special_tokens=False)
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        specs = make_specs(body, [ids], num_logprobs, body.max_completion_tokens or body.max_tokens)
+        constraint = None
+        if forced:  # the grammar admits only calls of these tools, with schema-valid arguments
+            if body.structured_output_spec() is not None:
+                raise APIError(400, "a forced tool_choice cannot be combined with response_format or "
+                                    "structured_outputs", "tool_choice")
+            constraint = StructuredOutputs(grammar=forced_call_grammar(tools_format, forced, body.parallel_tool_calls),
+                                           source="tool_choice")
+        specs = make_specs(body, [ids], num_logprobs, body.max_completion_tokens or body.max_tokens, constraint)
         builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", model_name, tokenizer, body.logprobs,
-                                  body.return_token_ids, body.include_usage)
+                                  body.return_token_ids, body.include_usage, tools_format if tools else None)
         call = Call(specs, builder, len(ids), [""] * len(specs), len(body.resume_token_ids or ()))
         return await _answer(async_engine, call, body.stream, request)
 
@@ -141,7 +157,8 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either a prompt or messages", "prompt")
         if body.messages is not None:
-            ids = tokenizer.encode(chat_prompt(body.messages, body.add_generation_prompt), add_special_tokens=False)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+            ids = tokenizer.encode(chat_prompt(body.messages, body.add_generation_prompt, tools), add_special_tokens=False)
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

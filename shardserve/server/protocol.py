@@ -142,8 +142,10 @@ class SamplingFields(BaseModel):
         return max(self.priority, BATCH_PRIORITY) if self.request_class == "batch" else self.priority
 
     def sampling_params(self, default_max_tokens: int, num_logprobs: int | None, seed: int | None,
-                        model_defaults: dict[str, float]) -> SamplingParams:
-        """The engine's SamplingParams; fields the request left out take `model_defaults` first."""
+                        model_defaults: dict[str, float],
+                        structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
+        """The engine's SamplingParams; fields the request left out take `model_defaults` first.
+        `structured_outputs` is a constraint the server adds (a forced tool call)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         chosen = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is not None}
         return SamplingParams(
@@ -153,7 +155,8 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=seed, stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
-            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured_output_spec(),
+            skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs or self.structured_output_spec(),
         )
 
 
@@ -169,16 +172,72 @@ class ChatContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result answers this call
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (HF's convention: tool calls with their
+        arguments as objects)."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -187,6 +246,37 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def active_tools(self) -> list[dict]:
+        """The tools the model is shown: all of them, or none with tool_choice "none"
+        (OpenAI's default is "auto" when there are tools)."""
+        if self.forces_tool_call and not self.tools:
+            raise InvalidRequestError("a forced tool_choice needs tools", "tool_choice")
+        if not self.tools or self.tool_choice == "none":
+            return []
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools have duplicate function names", "tools")
+        return tools
+
+    def forced_tools(self) -> list[dict]:
+        """The tools a reply must call one of: all with "required", the named one when one is
+        named, none otherwise."""
+        tools = self.active_tools() if self.forces_tool_call else []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+            if not tools:
+                raise InvalidRequestError(f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                                          "which is not in tools", "tool_choice")
+        return tools
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
 class TokenizeRequest(BaseModel):
@@ -197,6 +287,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None  # with messages: counted as the chat endpoint shows them
     add_special_tokens: bool = True  # for a prompt; a chat template writes its own
     add_generation_prompt: bool = True
 

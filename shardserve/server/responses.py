@@ -5,6 +5,7 @@ import time
 
 from shardserve.models.tokenizer import Tokenizer
 from shardserve.request import RequestOutput, TokenLogprob
+from shardserve.server.tool_calls import ToolCallFormat, ToolCallStream, message_tool_calls, parse
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -36,6 +37,11 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
                         for e in entries]}
 
 
+def _tool_finish(reason: str | None) -> str | None:
+    # OpenAI's reason when a reply ends in its calls; one cut off by max_tokens stays "length"
+    return "tool_calls" if reason == "stop" else reason
+
+
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -44,7 +50,7 @@ class ResponseBuilder:
     """Formats one API call's outputs; `index` is the choice index (prompt * n + sample)."""
 
     def __init__(self, kind: str, response_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool,
-                 want_token_ids: bool = False, include_usage: bool = False):
+                 want_token_ids: bool = False, include_usage: bool = False, tools: ToolCallFormat | None = None):
         self.kind = kind  # "completion" | "chat"
         self.want_token_ids = want_token_ids
         self.include_usage = include_usage  # streams: `usage: null` on each chunk, then a usage chunk
@@ -53,6 +59,9 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
+        self.tools = tools  # the format a chat reply's tool calls are read in (None: no tools)
+        self._streams: dict[int, ToolCallStream] = {}  # per choice, while streaming with tools
+        self._texts: dict[int, str] = {}
 
     def _envelope(self, chunk: bool) -> dict:
         obj = {"completion": "text_completion", "chat": "chat.completion"}[self.kind]
@@ -73,6 +82,12 @@ class ResponseBuilder:
                 choice["text"] = prefix + comp.text
             else:
                 choice["message"] = {"role": "assistant", "content": comp.text, "refusal": None}
+                if self.tools is not None:
+                    reply = parse(self.tools, comp.text, final=True)
+                    if reply.calls:
+                        choice["message"].update(content=reply.content or None,
+                                                 tool_calls=message_tool_calls(reply.calls))
+                        choice["finish_reason"] = _tool_finish(comp.finish_reason)
             if self.want_token_ids:
                 choice["token_ids"] = list(comp.token_ids)
             choices.append(choice)
@@ -89,6 +104,13 @@ class ResponseBuilder:
                         else chat_logprobs(self.tokenizer, entries))
         if self.kind == "completion":
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        elif self.tools is not None and not first:
+            stream = self._streams.setdefault(index, ToolCallStream(self.tools))
+            self._texts[index] = self._texts.get(index, "") + text
+            delta = stream.feed(self._texts[index], final=finish is not None)
+            if stream.has_calls and finish is not None:
+                finish = _tool_finish(finish)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -8,7 +8,7 @@ import threading
 
 import uvicorn
 
-from shardserve.config import EngineConfig, ServerConfig
+from shardserve.config import ConfigError, EngineConfig, ServerConfig
 from shardserve.engine.launcher import build_engine
 from shardserve.server.api import build_app
 from shardserve.server.async_engine import AsyncEngine
@@ -16,10 +16,15 @@ from shardserve.server.auth import AuthConfig, AuthMiddleware
 from shardserve.server.efficiency_metrics import efficiency_config
 from shardserve.server.limits import BodyLimitMiddleware
 from shardserve.server.metrics import ServerMetrics
+from shardserve.server.tool_calls import tool_format
 
 
 def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth: AuthConfig = AuthConfig()):
     """The FastAPI app (behind `auth`'s keys) and its AsyncEngine (not started)."""
+    try:
+        tool_format(server_config.tool_call_parser)  # before minutes of loading, not after
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     engine = build_engine(engine_config)
     model_name = server_config.served_model_name or engine_config.model
     efficiency = efficiency_config(engine_config, engine.model_config, server_config.calibration,
@@ -29,7 +34,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth:
     par = engine_config.parallel
     info = {"dtype": engine_config.dtype, "device": engine_config.device,
             "layout": {"tp": par.tp_size, "pp": par.pp_size, "ep": par.ep_size, "world_size": par.world_size}}
-    app = build_app(async_engine, metrics, model_name, info)
+    app = build_app(async_engine, metrics, model_name, info, server_config.tool_call_parser)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_request_bytes)
     app.add_middleware(AuthMiddleware, config=auth)  # outermost: no key, nothing read
     return app, async_engine
