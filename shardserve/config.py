@@ -330,6 +330,8 @@ class EngineConfig:
     # where requests that leave sampling fields out take them from: "auto", the model's own
     # (generation_config.json; models/sampling_defaults.py), or "vllm", SamplingParams' defaults
     generation_config: str = "auto"
+    # no tokenizer (vLLM's skip_tokenizer_init): prompts come as token ids, outputs carry ids only
+    skip_tokenizer_init: bool = False
 
 
 @dataclass(frozen=True)

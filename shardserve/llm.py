@@ -79,6 +79,7 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        self.engine.validator.require_tokenizer("messages", "chat")
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

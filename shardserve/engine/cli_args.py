@@ -24,6 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
                         help="defaults for sampling fields a request leaves out: the model's own "
                              "(generation_config.json) or vLLM's (temperature 1, top_p 1)")
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="load no tokenizer (a checkpoint without one): prompts as token ids, no output text")
     par = parser.add_argument_group("parallelism (see docs/parallelism.md)")
     par.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     par.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
@@ -43,7 +45,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed,
         kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        generation_config=args.generation_config, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        generation_config=args.generation_config, skip_tokenizer_init=args.skip_tokenizer_init, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, num_micro_batches=args.num_micro_batches,
         pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),

@@ -39,7 +39,10 @@ class IncrementalDetokenizer:
         return "".join(self.emitted) + self.pending
 
     def push(self, token_id: int) -> str | None:
-        """Add one generated token. Returns the stop string when this token completed one."""
+        """Add one generated token. Returns the stop string when this token completed one.
+        Without a tokenizer (skip_tokenizer_init) there is no text."""
+        if self.tokenizer is None:
+            return None
         self.tokens.append(token_id)
         skip = self.params.skip_special_tokens
         prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=skip)

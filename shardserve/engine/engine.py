@@ -70,7 +70,7 @@ class LLMEngine:
         delivered (`resume.num_text_chars`) is not sent again."""
         params = params or SamplingParams()
         token_ids = self.validator.prompt_ids(prompt)
-        self.validator.structured_outputs(params)
+        self.validator.sampling(params)
         if resume is not None:
             self.validator.resume(token_ids, params, resume.output_token_ids)
         req = Request(

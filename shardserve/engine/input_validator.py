@@ -14,13 +14,25 @@ class InputValidator:
         self.max_model_len = max_model_len
         self.grammars = grammars  # engine/grammar.py's Grammars: structured outputs
 
+    def require_tokenizer(self, param: str, what: str) -> None:
+        """InvalidRequestError when the engine runs without a tokenizer (skip_tokenizer_init)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{what} needs the model's tokenizer, and this engine runs without one "
+                                      "(skip_tokenizer_init): send token ids", param)
+
+    def sampling(self, params: SamplingParams) -> None:
+        """Raises InvalidRequestError for what `params` asks that this engine cannot do."""
+        if params.stop:
+            self.require_tokenizer("stop", "stop strings")
+        self.structured_outputs(params)
+
     def structured_outputs(self, params: SamplingParams) -> None:
         """Raises InvalidRequestError (naming the field) unless the request's structured output,
         if any, compiles within the size and nesting limits."""
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise InvalidRequestError("this engine has no grammar support", "structured_outputs")
-            self.grammars.compile(params.structured_outputs)
+        spec = params.structured_outputs
+        if spec is not None:
+            self.require_tokenizer(spec.source or "structured_outputs", "structured outputs")
+            self.grammars.compile(spec)
 
     def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids (text is encoded). Raises InvalidRequestError unless the prompt
@@ -28,6 +40,7 @@ class InputValidator:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
+            self.require_tokenizer("prompt", "a text prompt")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             token_ids = list(prompt)

@@ -27,7 +27,7 @@ DTYPES = {name: getattr(torch, name) for name in ENGINE_DTYPES}  # the table: sh
 class LoadedModel:
     model: torch.nn.Module
     model_config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None with skip_tokenizer_init
     kv_cache: KVCache
     max_model_len: int
     eos_token_ids: tuple[int, ...]
@@ -59,7 +59,7 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
         raise ConfigError(f"--generation-config takes auto or vllm, not {config.generation_config!r}")
     defaults = sampling_defaults(config.model, checkpoint.path) if config.generation_config == "auto" else {}
     config.parallel.validate(model_config)
-    tokenizer = load_tokenizer(checkpoint)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(checkpoint)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if device.type == "cpu":  # the native kernels, all at once, before the layers ask for them one by one
         build_all()
@@ -71,7 +71,7 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     model.prepack()
     model.eval()
     kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
-    eos = tuple(dict.fromkeys(model_config.eos_token_ids + tokenizer.eos_token_ids))
+    eos = tuple(dict.fromkeys(model_config.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
     grammars = Grammars(tokenizer, model_config.vocab_size, eos)
     return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups, attention,
                        defaults, grammars)

@@ -85,6 +85,16 @@ class Router:
             if interactive is not None:
                 interactive.release()
 
+    async def forward_utility(self, path: str, request: Request) -> Response:
+        """A request that generates nothing (/tokenize, /detokenize): to any replica, as it is,
+        retried elsewhere on a failure; no admission, no seed."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return JSONResponse(error_body(400, f"request body is not valid JSON: {exc}"), status_code=400)
+        status, answer = await self.forwarder.complete(path, body, "", time.monotonic())
+        return JSONResponse(answer, status_code=status)
+
     def models(self) -> dict:
         """The fleet's models (/v1/models): each model's card, with the replicas serving it."""
         cards: dict[str, dict] = {}
@@ -123,6 +133,14 @@ def build_router_app(config: RouterConfig, auth: AuthConfig = AuthConfig()) -> t
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await router.forward("chat", "/v1/chat/completions", request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await router.forward_utility("/tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await router.forward_utility("/detokenize", request)
 
     @app.get("/v1/models")
     async def models():

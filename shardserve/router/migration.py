@@ -5,8 +5,8 @@ stalls, the request goes to another replica with `resume_token_ids` (the tokens 
 and `resume_text_chars` (the characters of their text already sent): the new replica recomputes
 them like a preempted request and continues. Greedy and seeded requests (the router seeds every
 sampled request) produce exactly the tokens the first replica would have, so the client's stream
-goes on with no gap, repeat or error. Streams with n > 1 are not resumed (only retried before
-their first byte).
+goes on with no gap, repeat or error. Some streams are not resumed, only retried before their
+first byte (`not_resumable`).
 """
 from __future__ import annotations
 
@@ -55,6 +55,17 @@ class StreamProgress:
         if self.token_ids:
             body.update(resume_token_ids=list(self.token_ids), resume_text_chars=self.num_text_chars)
         return body
+
+
+def not_resumable(body: dict) -> str | None:
+    """Why a stream of `body` cannot continue on another replica once it has sent tokens (None:
+    it can). With n > 1 the choices' progress is not tracked apart; a reply that may call tools
+    streams deltas computed from its whole text, of which the router counts only the content."""
+    if body.get("n", 1) != 1:
+        return "a stream with n > 1 cannot be resumed"
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return "a stream that may call tools cannot be resumed mid-stream"
+    return None
 
 
 def sse(payload: dict | str) -> bytes:

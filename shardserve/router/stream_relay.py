@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from shardserve.router.admission import RouterError
-from shardserve.router.migration import StreamProgress, sse
+from shardserve.router.migration import StreamProgress, not_resumable, sse
 from shardserve.router.retry import Attempt, Attempts, ReplicaFailed
 from shardserve.router.stall_watchdog import StallWatchdog
 from shardserve.server.protocol import error_body
@@ -104,8 +104,9 @@ class StreamRelay:
         self.forwarder.failed(self.attempts, failed.attempt, failure, retried=not mid_stream)
         if mid_stream:
             self.forwarder.metrics.migrations.labels(failed.attempt.replica.url).inc()
-            if self.request.body.get("n", 1) != 1:
-                raise RouterError(503, "a stream with n > 1 cannot be resumed")
+            reason = not_resumable(self.request.body)
+            if reason is not None:
+                raise RouterError(503, reason)
         await self._close_upstream()
         self.upstream = await self.forwarder.start_stream(self.attempts, self.request.path,
                                                           progress.next_body(self.request.body))

@@ -70,13 +70,14 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
                 params = body.sampling_params(min(16, budget) if max_tokens is None else max_tokens, num_logprobs, seed,
                                               engine.sampling_defaults, constraint)
                 specs.append(RequestSpec(f"{base}-{p_index}-{i}", ids, params, body.effective_priority, resume(body, ids, params)))
-        if specs:  # they share one constraint: compiled (or refused with a 400) once, here
-            engine.validator.structured_outputs(specs[0].params)
+        if specs:  # they share their parameters: checked (a constraint compiled) once, here
+            engine.validator.sampling(specs[0].params)
         return specs
 
     def chat_prompt(messages, add_generation_prompt: bool, tools: list[dict] = ()) -> str:
         """The conversation (and the tools it may call) through the model's chat template (400 if
         the template refuses it)."""
+        engine.validator.require_tokenizer("messages", "a chat")
         rendered, extra = template_inputs(tools_format, tokenizer.chat_template, [m.for_template() for m in messages],
                                           list(tools))
         try:
@@ -154,6 +155,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
+        engine.validator.require_tokenizer("prompt", "/tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either a prompt or messages", "prompt")
         if body.messages is not None:
@@ -166,6 +168,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
+        engine.validator.require_tokenizer("tokens", "/detokenize")
         engine.validator.check_vocab(body.tokens, "tokens", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 

@@ -34,7 +34,7 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries]}
+                        for e in entries], "refusal": None}
 
 
 def _tool_finish(reason: str | None) -> str | None:
@@ -42,7 +42,9 @@ def _tool_finish(reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" else reason
 
 
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    if tokenizer is None:  # skip_tokenizer_init: vLLM's spelling of a token it cannot show
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 

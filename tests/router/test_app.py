@@ -134,3 +134,20 @@ def test_a_model_is_retrieved_by_id_across_the_fleet():
             assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
     asyncio.run(scenario())
+
+
+def test_tokenize_and_detokenize_go_to_a_replica_as_they_are():
+    def tokens(body: dict) -> httpx.Response:
+        return httpx.Response(200, json={"count": 2, "tokens": [7, 8], "echo": body})
+
+    replicas = FakeReplicas({"http://r0": tokens})
+    app, _ = router_over(replicas)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            for route, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [7, 8]})):
+                reply = await client.post(route, json=body)
+                assert reply.status_code == 200 and reply.json()["echo"] == body  # no seed or class added
+
+    asyncio.run(scenario())
+    assert len(replicas.received) == 2

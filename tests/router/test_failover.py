@@ -1,12 +1,16 @@
 """Zero-loss failover: a replica SIGKILLed in the middle of 60 concurrent streams costs the
-clients nothing: every stream completes, byte-identical to a fault-free run, with no error."""
+clients nothing: every stream completes, byte-identical to a fault-free run, with no error. A
+third of the streams are JSON-schema constrained: a resumed one replays its grammar over the
+tokens already streamed, so it is still valid and still the same."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 
+import jsonschema
 import openai
 
 from tests.router.fleet import replicas, router
@@ -14,14 +18,19 @@ from tests.server_process import scrape
 
 NUM_REQUESTS = 60
 MAX_TOKENS = 32
+CONSTRAINED_MAX_TOKENS = 80  # room for the whole document (the random model writes long strings)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "n"], "additionalProperties": False}
 
 
 def requests() -> list[dict]:
-    """Half greedy, half seeded sampling; completions and chat."""
+    """Half greedy, half seeded sampling; completions and chat; every third one constrained."""
     out = []
     for i in range(NUM_REQUESTS):
         sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, top_p=0.95, seed=1000 + i)
-        out.append(dict(kind="chat" if i % 4 < 2 else "completion", prompt=f"Request {i}: the quick brown fox", **sampling))
+        out.append(dict(kind="chat" if i % 4 < 2 else "completion", prompt=f"Request {i}: the quick brown fox",
+                        constrained=i % 3 == 0, **sampling))
     return out
 
 
@@ -43,17 +52,20 @@ async def run_all(base_url: str, model: str, on_progress=None) -> list[tuple[str
             if on_progress:
                 on_progress(chunks_seen[0])
         sampling = {k: v for k, v in spec.items() if k in ("temperature", "top_p", "seed")}
-        extra = {"ignore_eos": True}
+        extra, max_tokens = {"ignore_eos": True}, MAX_TOKENS
+        if spec["constrained"]:  # the grammar ends it: no ignore_eos
+            extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+            max_tokens = CONSTRAINED_MAX_TOKENS
         if spec["kind"] == "chat":
             stream = await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": spec["prompt"]}], max_tokens=MAX_TOKENS,
+                model=model, messages=[{"role": "user", "content": spec["prompt"]}], max_tokens=max_tokens,
                 stream=True, extra_body=extra, **sampling)
             pieces = []
             async for chunk in stream:
                 pieces.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
                 tick()
         else:
-            stream = await client.completions.create(model=model, prompt=spec["prompt"], max_tokens=MAX_TOKENS,
+            stream = await client.completions.create(model=model, prompt=spec["prompt"], max_tokens=max_tokens,
                                                      stream=True, extra_body=extra, **sampling)
             pieces = []
             async for chunk in stream:
@@ -90,6 +102,9 @@ def test_killed_replica_mid_stream_loses_nothing(tiny_checkpoints):
             faulted = asyncio.run(run_all(router_url, model, kill_midway))
             assert killed, "the replica was never killed"
             assert [text for text, _, _ in faulted] == [text for text, _, _ in reference]
+            for spec, (text, _, _) in zip(requests(), faulted):
+                if spec["constrained"]:
+                    jsonschema.validate(json.loads(text), SCHEMA)
             # the failure's cost to a client: the longest pause in its stream (detection + resume)
             added_p99 = p99([gap for _, _, gap in faulted]) - p99([gap for _, _, gap in reference])
             migrated = scrape(router_url, "shardserve_router_migrations_total", 0.0)

@@ -89,10 +89,12 @@ def test_no_replica_left_mid_stream_ends_with_an_error_event():
     assert in_flight(forwarder) == ALL_IDLE
 
 
-def test_a_stream_with_n_above_1_is_not_resumed():
+@pytest.mark.parametrize("extra", [dict(n=2), dict(tools=[{"type": "function", "function": {"name": "f"}}])],
+                         ids=["n=2", "tools"])
+def test_streams_with_n_above_1_or_tools_are_not_resumed(extra):
     replicas = FakeReplicas({"http://r0": stream(break_at=2), "http://r1": stream(), "http://r2": stream()})
     forwarder = make_forwarder(replicas)
-    events = asyncio.run(open_and_read(forwarder, dict(BODY, n=2)))
+    events = asyncio.run(open_and_read(forwarder, dict(BODY, **extra)))
     assert "cannot be resumed" in events[-2]["error"]["message"] and len(replicas.received) == 1
     assert in_flight(forwarder) == ALL_IDLE
 

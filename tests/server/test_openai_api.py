@@ -2,6 +2,8 @@
 outputs checked against the offline engine on the same seeds."""
 import asyncio
 import json
+import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -176,3 +178,13 @@ def test_omitted_sampling_fields_take_the_models_defaults(client, offline):
     hot = client.completions.create(model="smol", prompt=PROMPT, max_tokens=24, seed=11, temperature=1.0)
     ref_hot = offline.generate(PROMPT, SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11))[0].outputs[0]
     assert hot.choices[0].text == ref_hot.text  # a field given wins; the others still default
+
+
+def test_the_readme_first_example_answers_sensibly_with_default_sampling(server):
+    """The quick start's curl body, as it is (the model's own sampling defaults), ten seeds."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    body = json.loads(re.search(r"-d '(\{.*?\})'", readme).group(1))
+    assert set(body) == {"model", "messages", "max_tokens"}  # no sampling field: the defaults decide
+    for seed in range(10):
+        reply = httpx.post(f"{server}/v1/chat/completions", json={**body, "model": "smol", "seed": seed}, timeout=60)
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
