@@ -47,8 +47,9 @@ def add_plan_parser(subparsers) -> None:
     p.set_defaults(func=run_plan_command)
 
 
-def _devices(names: list[str], what_if: str | None, calibration_path: str | None):
-    """[(Hardware, Efficiency)] for catalog names; calibration matched on the unmodified device."""
+def _devices(names: list[str], what_if: str | None, calibration_path: str | None, dtype: str | None = None):
+    """[(Hardware, Efficiency)] for catalog names; calibration matched on the unmodified device
+    and on `dtype` (factors fitted in another dtype do not apply)."""
     from shardserve.planner.efficiency import Efficiency, load_calibration
     from shardserve.planner.hardware import apply_what_if, get_hardware, load_catalog
 
@@ -62,7 +63,7 @@ def _devices(names: list[str], what_if: str | None, calibration_path: str | None
         if hw.name in seen:
             continue
         seen.add(hw.name)
-        eff = calibration.for_device(hw.name, hw.aliases) if calibration else Efficiency()
+        eff = calibration.for_device(hw.name, hw.aliases, dtype) if calibration else Efficiency()
         devices.append((apply_what_if(hw, what_if) if what_if else hw, eff))
     return devices
 
@@ -105,7 +106,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
         raise ConfigError("plan needs --model and --qps (or --fleet FILE)")
     slo = parse_slo(args.slo)
     workload = Workload(args.isl, args.osl, args.qps)
-    devices = _devices(_split_names(args.hardware, "--hardware"), args.what_if, args.calibration)
+    devices = _devices(_split_names(args.hardware, "--hardware"), args.what_if, args.calibration, args.dtype)
     model = resolve_model(args.model)
     start = time.perf_counter()
     plan = search(model, devices, workload, slo, args.dtype, space, args.rank_by)
@@ -124,8 +125,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
 def _what_if_line(args, model, workload, slo, space, plan) -> str:
     from shardserve.planner.search import search
 
-    base = search(model, _devices(_split_names(args.hardware, "--hardware"), None, args.calibration), workload,
-                  slo, args.dtype, space, args.rank_by).best
+    devices = _devices(_split_names(args.hardware, "--hardware"), None, args.calibration, args.dtype)
+    base = search(model, devices, workload, slo, args.dtype, space, args.rank_by).best
     new = plan.best
 
     def describe(row) -> str:
@@ -158,7 +159,7 @@ def _run_fleet(args: argparse.Namespace, space) -> int:
     from shardserve.planner.plan_report import format_fleet, write_json
 
     entries, pool_counts = read_fleet_file(args.fleet, {"isl": args.isl, "osl": args.osl, "slo": args.slo})
-    devices = _devices(list(pool_counts), args.what_if, args.calibration)
+    devices = _devices(list(pool_counts), args.what_if, args.calibration, args.dtype)
     counts = list(pool_counts.values())
     pool = [PoolDevice(hw, eff, count) for (hw, eff), count in zip(devices, counts)]
     if len(pool) != len(pool_counts):

@@ -72,6 +72,13 @@ class Deployment:
         return dtype_bytes_of(self.dtype)
 
     @property
+    def activation_bytes(self) -> int:
+        """Bytes of an activation element between layers, the unit of every collective: a
+        weight dtype narrower than 16 bits (fp8, fp4) still runs and reduces its activations
+        in bfloat16, as every engine does."""
+        return max(self.dtype_bytes, 2)
+
+    @property
     def world_size(self) -> int:
         return self.parallel.world_size
 
@@ -247,7 +254,7 @@ def _group_link(dep: Deployment, group_size: int) -> tuple[float, float]:
 
 def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> float:
     model, par = dep.model, dep.parallel
-    tp, ep, h, b = par.tp_size, par.ep_size, model.hidden_size, dep.dtype_bytes
+    tp, ep, h, b = par.tp_size, par.ep_size, model.hidden_size, dep.activation_bytes
     act_bytes = load.num_tokens * h * b
     tp_allreduce = ring_allreduce_time_s(act_bytes, tp, *_group_link(dep, tp)) if tp > 1 else 0.0
     # per layer: after attention; after a dense MLP; after an ep = 1 MoE MLP (and its shared expert)

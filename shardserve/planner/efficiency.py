@@ -34,6 +34,10 @@ consumer of the factors (the planner, the simulator) must pair them with these p
 `Calibration.hardware_for`. `num_samples` (profiled steps the fit used) and `step_time_mape`
 (mean absolute percentage error of the fitted model on those steps) are reported, not used. A
 device absent from the file stays uncalibrated, and plans say so.
+
+`dtype` is the dtype the factors were fitted in: they hold for that dtype only (an fp8 GEMM
+reaches another fraction of its peak than a bf16 one), so a plan in another dtype stays
+uncalibrated. One device may have an entry per dtype, keyed "NAME@DTYPE" (e.g. "h100@float8").
 """
 from __future__ import annotations
 
@@ -85,6 +89,7 @@ class Efficiency:
     calibrated: bool = False
     source: str = ""  # where calibrated factors came from
     step_time_mape: float | None = None  # the fit's own error on the profiled steps
+    dtype: str | None = None  # the dtype the factors were fitted in (None: any)
 
     def __post_init__(self) -> None:
         for name in _FACTORS:
@@ -124,8 +129,11 @@ class Calibration:
     by_device: tuple[tuple[str, Efficiency], ...]
     hardware_by_device: tuple[tuple[str, Hardware], ...] = ()
 
-    def for_device(self, device_name: str, aliases: tuple[str, ...] = ()) -> Efficiency:
-        return _lookup(self.by_device, device_name, aliases) or Efficiency()
+    def for_device(self, device_name: str, aliases: tuple[str, ...] = (), dtype: str | None = None) -> Efficiency:
+        """The device's factors fitted in `dtype` (or in no stated dtype), else the priors."""
+        matching = [(name, eff) for name, eff in self.by_device
+                    if dtype is None or eff.dtype is None or eff.dtype == dtype]
+        return _lookup(matching, device_name, aliases) or Efficiency()
 
     def hardware_for(self, device_name: str, aliases: tuple[str, ...] = ()) -> Hardware | None:
         """The device as the profiler saw it (measured or catalog peaks), or None."""
@@ -139,7 +147,7 @@ class Calibration:
 def _lookup(pairs, device_name: str, aliases: tuple[str, ...]):
     names = {normalize_device_name(n) for n in (device_name, *aliases)}
     for name, value in pairs:
-        if normalize_device_name(name) in names:
+        if normalize_device_name(name.partition("@")[0]) in names:  # "NAME@DTYPE" keys name NAME
             return value
     return None
 
@@ -154,7 +162,10 @@ def _device_efficiency(name: str, entry: Any, source: str) -> Efficiency:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"calibration: device {name!r} field {key!r} is not a number: {value!r}")
             values[key] = float(value)
-    return replace(Efficiency(), calibrated=True, source=source, **values)
+    dtype = entry.get("dtype") or (name.partition("@")[2] or None)
+    if dtype is not None and not isinstance(dtype, str):
+        raise ConfigError(f"calibration: device {name!r} field 'dtype' is not a dtype name: {dtype!r}")
+    return replace(Efficiency(), calibrated=True, source=source, dtype=dtype, **values)
 
 
 def load_calibration(path: str | Path) -> Calibration:

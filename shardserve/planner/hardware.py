@@ -66,12 +66,17 @@ def normalize_device_name(name: str) -> str:
     return re.sub(r"[^a-z0-9.]", "", name.lower())
 
 
+_UNITS = {"GiB": 2**30, "GB": 1e9, "TiB": 2**40, "TB": 1e12}
+
+
 def _as_number(value: Any) -> Any:
-    # PyYAML (YAML 1.1) reads "80.0e9" (no exponent sign) as a string; accept it as a number.
+    # PyYAML (YAML 1.1) reads "80.0e9" (no exponent sign) as a string; accept it as a number, and
+    # a capacity with its unit ("80 GiB": the catalog writes memory as the datasheets size it)
     if isinstance(value, str):
+        number, _, unit = value.strip().partition(" ")
         try:
-            return float(value)
-        except ValueError:
+            return float(number) * _UNITS[unit.strip()] if unit else float(number)
+        except (ValueError, KeyError):
             return value
     return value
 

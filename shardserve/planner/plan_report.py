@@ -44,6 +44,8 @@ def format_plan(plan: Plan, top: int, elapsed_s: float) -> str:
     num_feasible = sum(r.feasible for r in plan.rows)
     lines = [format_table(plan.rows, top),
              f"{num_feasible} of {len(plan.rows)} layouts fit and meet the SLO; searched in {elapsed_s:.2f} s"]
+    if plan.skipped:
+        lines.append(f"not planned: {', '.join(plan.skipped)}")
     if not plan.best:
         lines.append("no deployment meets the SLO: relax it, allow more GPUs, or try other hardware")
     elif plan.pareto:

@@ -12,7 +12,9 @@ the first token), mean decode context I + O / 2, and t_p = the time to prefill o
           + prefill of I in chunks of (budget - n) tokens, each step shared with the n decodes
 
 n is the smallest fixed point of the second and third lines, found by iterating from n = 0.
-The replica is overloaded when rho >= 1, or n exceeds the sequences whose KV fits. All figures
+The replica is overloaded when rho >= 1, or n exceeds what one step can carry: the sequences
+whose KV fits, and the step's token budget (each decode is one token of it; a prefill chunk
+needs at least one more). All figures
 are means: tail percentiles (p90, p99) are higher, more so near saturation.
 """
 from __future__ import annotations
@@ -114,11 +116,12 @@ class ReplicaModel:
         if rho >= 1:
             return self._unstable(arrival_qps, rho, math.inf)
         num_decode_steps = self.output_len - 1
+        max_running = min(self.max_num_seqs, self.max_num_batched_tokens - 1)
         n = 0.0
         for _ in range(_MAX_ITERATIONS):
             step = decode_step_time(self.deployment, n, self._decode_context_len)
             next_n = arrival_qps * num_decode_steps * step.total_s / (1 - rho)
-            if next_n > self.max_num_seqs:
+            if next_n > max_running:
                 return self._unstable(arrival_qps, rho, next_n)
             converged = abs(next_n - n) <= 1e-4 * max(1.0, next_n)
             n = next_n

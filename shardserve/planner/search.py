@@ -86,6 +86,7 @@ class Plan:
     rows: tuple[PlanRow, ...]
     points: tuple[PlanRow, ...]
     pareto: tuple[PlanRow, ...]
+    skipped: tuple[str, ...] = ()  # devices left out, and why (no path for the dtype)
 
     @property
     def best(self) -> PlanRow | None:
@@ -112,13 +113,15 @@ def candidate_layouts(model: ModelConfig, hw: Hardware, max_nodes_per_replica: i
     return layouts
 
 
-def _recommended_max_num_seqs(mean_batch: float, kv_capacity_seqs: int) -> int:
+def _recommended_max_num_seqs(mean_batch: float, kv_capacity_seqs: int, step_budget: int) -> int:
+    """A power of two above the mean batch plus its Poisson spread, within what the KV cache
+    holds and what one step's token budget carries (one token per running sequence)."""
     wanted = max(1, math.ceil(mean_batch + 3 * math.sqrt(mean_batch)))
-    return min(kv_capacity_seqs, 1 << (wanted - 1).bit_length())
+    return min(kv_capacity_seqs, step_budget, 1 << (wanted - 1).bit_length())
 
 
 def _row(dep: Deployment, workload: Workload, replicas: int, pred: ReplicaPrediction | None,
-         kv_capacity_seqs: int, meets_slo: bool, note: str) -> PlanRow:
+         kv_capacity_seqs: int, meets_slo: bool, note: str, step_budget: int) -> PlanRow:
     par, hw = dep.parallel, dep.hardware
     cost_per_hour = replicas * par.world_size * hw.price_per_hour_usd
     if pred is None:
@@ -128,7 +131,8 @@ def _row(dep: Deployment, workload: Workload, replicas: int, pred: ReplicaPredic
         ttft_ms, tpot_ms, e2e_ms = pred.ttft_s * 1e3, pred.tpot_s * 1e3, pred.e2e_s * 1e3
         batch = pred.num_running_seqs
         cost_per_m = cost_per_hour / (workload.qps * workload.output_len * 3600) * 1e6
-        max_seqs = _recommended_max_num_seqs(batch, kv_capacity_seqs) if pred.stable else kv_capacity_seqs
+        max_seqs = (_recommended_max_num_seqs(batch, kv_capacity_seqs, step_budget) if pred.stable
+                    else min(kv_capacity_seqs, step_budget))
     return PlanRow(
         hardware=hw.name, tp=par.tp_size, pp=par.pp_size, ep=par.ep_size, gpus_per_replica=par.world_size,
         replicas=replicas, max_num_seqs=max_seqs, kv_capacity_seqs=kv_capacity_seqs, mean_batch=batch,
@@ -149,28 +153,29 @@ def _fewest_replicas(replica: ReplicaModel, qps: float, slo: SLO | None, capacit
 def plan_layout(dep: Deployment, workload: Workload, slo: SLO, space: SearchSpace) -> list[PlanRow]:
     """Rows for one layout: first the fewest replicas (the ranked row), then larger counts
     (Pareto candidates). One row with fits=False when the model does not fit."""
+    budget = space.max_num_batched_tokens
     kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction)
     kv_seqs = max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
     if kv_seqs < 1:
-        return [_row(dep, workload, 0, None, 0, False, "does not fit in memory")]
+        return [_row(dep, workload, 0, None, 0, False, "does not fit in memory", budget)]
     replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, space.max_num_batched_tokens)
     capacity = replica.capacity_qps(slo)
     meets, target = capacity > 0, slo
     if not meets:  # report what merely keeping up would take
         capacity, target = replica.capacity_qps(None), None
         if capacity == 0:
-            return [_row(dep, workload, 0, None, kv_seqs, False, "cannot keep up at any load")]
+            return [_row(dep, workload, 0, None, kv_seqs, False, "cannot keep up at any load", budget)]
     replicas = _fewest_replicas(replica, workload.qps, target, capacity)
     pred = replica.predict(workload.qps / replicas)
     note = pred.decode_bottleneck if meets else "misses the SLO at any load"
     if space.max_total_gpus is not None and replicas * dep.world_size > space.max_total_gpus:
         note = f"over the budget of {space.max_total_gpus} GPUs"
-    rows = [_row(dep, workload, replicas, pred, kv_seqs, meets and pred.meets(slo), note)]
+    rows = [_row(dep, workload, replicas, pred, kv_seqs, meets and pred.meets(slo), note, budget)]
     if rows[0].feasible:
         for more in sorted({replicas + 1, math.ceil(1.5 * replicas), 2 * replicas, 4 * replicas} - {replicas}):
             if space.max_total_gpus is None or more * dep.world_size <= space.max_total_gpus:
                 extra = replica.predict(workload.qps / more)
-                rows.append(_row(dep, workload, more, extra, kv_seqs, extra.meets(slo), extra.decode_bottleneck))
+                rows.append(_row(dep, workload, more, extra, kv_seqs, extra.meets(slo), extra.decode_bottleneck, budget))
     return rows
 
 
@@ -206,9 +211,11 @@ def search(model: ModelConfig, devices: list[tuple[Hardware, Efficiency]], workl
         raise ConfigError(f"--rank-by must be one of {', '.join(RANK_BY)}, got {rank_by!r}")
     dtype_bytes_of(dtype)
     check_context_fits(model, workload)
-    ranked, points = [], []
+    ranked, points, skipped = [], [], []
     for hw, efficiency in devices:
-        hw.peak_flop_s_for(dtype)
+        if dtype not in hw.peak_flop_s:  # plan the devices that have it; none at all is an error
+            skipped.append(f"{hw.name} (no {dtype} path)")
+            continue
         for par in candidate_layouts(model, hw, space.max_nodes_per_replica):
             try:
                 rows = plan_layout(Deployment(model, par, hw, dtype, efficiency), workload, slo, space)
@@ -216,5 +223,8 @@ def search(model: ModelConfig, devices: list[tuple[Hardware, Efficiency]], workl
                 continue
             ranked.append(rows[0])
             points.extend(rows)
+    if len(skipped) == len(devices):
+        devices[0][0].peak_flop_s_for(dtype)  # raises, naming what the device has
     ranked.sort(key=_rank_key(rank_by))
-    return Plan(rows=tuple(ranked), points=tuple(p for p in points if p.feasible), pareto=tuple(pareto_front(points)))
+    return Plan(rows=tuple(ranked), points=tuple(p for p in points if p.feasible), pareto=tuple(pareto_front(points)),
+                skipped=tuple(skipped))

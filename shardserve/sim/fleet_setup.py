@@ -50,7 +50,7 @@ def resolve_deployment(model: ModelConfig, hardware: str, dtype: str, parallel: 
     """A Deployment with calibrated efficiencies where `calibration_path` covers the device."""
     calibration = load_calibration(calibration_path) if calibration_path else None
     hw = resolve_hardware(hardware, dtype, calibration)
-    efficiency = calibration.for_device(hw.name, hw.aliases) if calibration else Efficiency()
+    efficiency = calibration.for_device(hw.name, hw.aliases, dtype) if calibration else Efficiency()
     return Deployment(model, parallel, hw, dtype, efficiency)
 
 

@@ -143,13 +143,13 @@ def test_max_batch_tokens_llama70b_on_8x_h100():
     params = 80 * layer + 2 * 128_256 * 8192 // 8 + 8192  # = 8.82B (70.55B / 8)
     weight_bytes = 2 * params
     assert weight_bytes_per_rank(LLAMA70B, par(tp=8), BF16) == weight_bytes == 17_640_734_720
-    free_bytes = 80e9 * 0.9 - weight_bytes  # 54.36 GB for KV
+    free_bytes = 80 * 2**30 * 0.9 - weight_bytes  # 59.67 GB for KV (H100: 80 GiB)
     expected = int(free_bytes // (327_680 // 8))
-    assert expected == 1_327_130
+    assert expected == 1_456_754
     assert max_batch_tokens(LLAMA70B, par(tp=8), get_hardware("h100"), BF16) == expected
-    assert max_batch_tokens(LLAMA70B, par(tp=1), get_hardware("h100"), BF16) == 0  # 141 GB > 80 GB
-    # 1_327_130 tokens = 82_945 blocks of 16; a 4096 + 1024 token sequence takes 320 blocks
-    assert max_num_seqs_that_fit(expected, 5120) == 82_945 // 320 == 259
+    assert max_batch_tokens(LLAMA70B, par(tp=1), get_hardware("h100"), BF16) == 0  # 141 GB > 80 GiB
+    # 1_456_754 tokens = 91_047 blocks of 16; a 4096 + 1024 token sequence takes 320 blocks
+    assert max_num_seqs_that_fit(expected, 5120) == 91_047 // 320 == 284
 
 
 def test_collective_formulas():
@@ -237,6 +237,15 @@ def test_prefill_is_compute_bound_and_pipeline_adds_p2p():
     # same collectives, plus one p2p of 4096 x 8192 bf16 from rank 7 to rank 8: another node, the NIC
     assert staged.comm_s == pytest.approx(one.comm_s + p2p_time_s(4096 * 8192 * 2, 0.7 * 50e9, 5e-6))
     assert staged.gemm_s == pytest.approx(one.gemm_s)
+
+
+def test_collectives_move_bf16_activations_under_fp8_weights():
+    """fp8 halves the weight bytes, not the activations every engine reduces in bfloat16."""
+    bf16 = decode_step_time(dep(LLAMA70B, par(tp=8)), batch_size=32, context_len=1024)
+    fp8 = decode_step_time(Deployment(LLAMA70B, par(tp=8), get_hardware("h100"), "float8"), batch_size=32,
+                           context_len=1024)
+    assert fp8.comm_s == pytest.approx(bf16.comm_s)
+    assert fp8.memory_s < bf16.memory_s
 
 
 def test_expert_parallel_compute_and_all_to_all_by_hand():

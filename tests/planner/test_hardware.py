@@ -30,6 +30,14 @@ def test_datasheet_figures_spot_check():
         get_hardware("A100 80GB").peak_flop_s_for("float8")
 
 
+def test_memory_is_what_the_device_has_in_binary_units():
+    """The datasheets' "80 GB" of HBM is 80 GiB: 85.9e9 bytes, 5.9 GB more than 80e9 (a 70B
+    fp8 model on one H100 has 40% more room for KV than decimal bytes give)."""
+    assert get_hardware("h100").memory_bytes == 80 * 2**30
+    assert get_hardware("h200").memory_bytes == 141 * 2**30
+    assert get_hardware("mi300x").memory_bytes == 192 * 2**30
+
+
 @pytest.mark.parametrize("alias,name", [("h100", "H100 SXM"), ("H100-sxm", "H100 SXM"), ("a100", "A100 80GB"),
                                         ("tpu_v5e", "TPU v5e"), ("trn2", "Trainium2"), ("mi300x", "MI300X")])
 def test_lookup_is_case_insensitive_with_aliases(alias, name):
@@ -73,7 +81,7 @@ def test_what_if_scales_fields():
     assert hw.memory_bandwidth_bytes_s == pytest.approx(2 * 3.35e12)
     assert hw.peak_flop_s["bfloat16"] == pytest.approx(1.5 * 989.4e12)
     assert hw.peak_flop_s["float8"] == pytest.approx(1.5 * 1978.9e12)
-    assert hw.memory_bytes == 120_000_000_000 and isinstance(hw.memory_bytes, int)
+    assert hw.memory_bytes == 120 * 2**30 and isinstance(hw.memory_bytes, int)
     assert hw.price_per_hour_usd == pytest.approx(0.8 * 4.0)
     assert "what-if" in hw.name
     assert apply_what_if(h100, "") is h100

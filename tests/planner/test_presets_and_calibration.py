@@ -59,6 +59,18 @@ def test_calibration_file_round_trip(tmp_path):
     assert Efficiency().label == "uncalibrated"
 
 
+def test_factors_hold_for_the_dtype_they_were_fitted_in(tmp_path):
+    path = _write(tmp_path, {"format": CALIBRATION_FORMAT, "source": "fits", "devices": {
+        "H100 SXM": {"dtype": "bfloat16", "gemm": 0.6},
+        "h100@float8": {"gemm": 0.45},
+        "H200": {"memory": 0.9}}})  # no dtype stated: any
+    calibration = load_calibration(path)
+    assert calibration.for_device("H100 SXM", ("h100",), "bfloat16").gemm == 0.6
+    assert calibration.for_device("H100 SXM", ("h100",), "float8").gemm == 0.45
+    assert not calibration.for_device("H100 SXM", ("h100",), "float16").calibrated  # fitted in neither
+    assert calibration.for_device("H200", (), "float8").memory == 0.9
+
+
 @pytest.mark.parametrize("data,match", [
     ({"devices": {"h100": {}}}, "format"),
     ({"format": CALIBRATION_FORMAT, "devices": {}}, "non-empty"),

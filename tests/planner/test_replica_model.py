@@ -51,6 +51,19 @@ def test_kv_capacity_bounds_the_batch():
     assert not cramped.predict(2.0).stable and math.isinf(cramped.predict(2.0).tpot_s)
 
 
+def test_the_step_token_budget_bounds_the_batch_too():
+    """Each running sequence takes one token of a step: with KV room for 10,000 sequences and a
+    64-token budget, at most 63 decode beside a prefill chunk, whatever the traffic."""
+    def replica(budget: int) -> ReplicaModel:
+        return ReplicaModel(LLAMA8B, input_len=128, output_len=128, max_num_seqs=10_000, max_num_batched_tokens=budget)
+
+    roomy = replica(1 << 20).predict(50.0)
+    assert roomy.stable and roomy.num_running_seqs > 63  # what Little's law asks for at 50 req/s
+    assert not replica(64).predict(50.0).stable  # more than a step carries: overload
+    tight = replica(64)
+    assert 0 < tight.predict(tight.capacity_qps(None)).num_running_seqs <= 63
+
+
 def test_capacity_is_the_edge_of_the_slo():
     replica = ReplicaModel(LLAMA8B, input_len=1024, output_len=256, max_num_seqs=2000)
     slo = SLO(ttft_ms=1000, tpot_ms=40)

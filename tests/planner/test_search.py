@@ -14,7 +14,7 @@ from shardserve.planner.hardware import apply_what_if, get_hardware
 from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit
 from shardserve.planner.model_presets import preset
 from shardserve.planner.replica_model import ReplicaModel, Workload
-from shardserve.planner.search import SearchSpace, candidate_layouts, search
+from shardserve.planner.search import SearchSpace, _recommended_max_num_seqs, candidate_layouts, search
 
 LLAMA8B = preset("llama-3.1-8b")  # 16.1 GB of bf16 weights
 LLAMA70B = preset("llama-3.1-70b")
@@ -146,3 +146,21 @@ def test_what_if_moves_the_plan_the_expected_way():
     less_memory = search(LLAMA70B, on(apply_what_if(H100, "memory=0.5x")), workload, slo)
     assert sum(r.fits for r in less_memory.rows) < sum(r.fits for r in base.rows)
     assert math.isfinite(base.best.e2e_ms)
+
+
+def test_devices_without_the_dtype_are_left_out_not_the_whole_search():
+    no_fp8 = dataclasses.replace(H100, name="no-fp8", peak_flop_s={"bfloat16": H100.peak_flop_s["bfloat16"]})
+    plan = search(LLAMA8B, on(_only_tp1(no_fp8), _only_tp1(H100)), Workload(512, 128, 1.0), LOOSE, dtype="float8",
+                  space=SearchSpace(max_nodes_per_replica=1))
+    assert {r.hardware for r in plan.rows} == {"H100 SXM"} and plan.best is not None
+    assert plan.skipped == ("no-fp8 (no float8 path)",)
+    with pytest.raises(ConfigError, match="no float8 peak"):  # no device has it: nothing to plan
+        search(LLAMA8B, on(no_fp8), Workload(512, 128, 1.0), LOOSE, dtype="float8")
+
+
+def test_recommended_max_num_seqs_fits_the_step_budget():
+    """A mean batch of 1,000 with KV for 5,000 sequences: 1,000 + 3 sqrt(1,000) rounds up to 2,048,
+    but a step of a 512-token budget carries at most 512 sequences."""
+    assert _recommended_max_num_seqs(1000, 5000, 4096) == 2048
+    assert _recommended_max_num_seqs(1000, 5000, 512) == 512
+    assert _recommended_max_num_seqs(1000, 300, 512) == 300

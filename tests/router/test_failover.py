@@ -24,17 +24,19 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "n"], "additionalProperties": False}
 
 
-def requests() -> list[dict]:
-    """Half greedy, half seeded sampling; completions and chat; every third one constrained."""
+def requests(constrained: bool = False) -> list[dict]:
+    """Half greedy, half seeded sampling; completions and chat; every third one JSON-constrained
+    when `constrained`."""
     out = []
     for i in range(NUM_REQUESTS):
         sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, top_p=0.95, seed=1000 + i)
         out.append(dict(kind="chat" if i % 4 < 2 else "completion", prompt=f"Request {i}: the quick brown fox",
-                        constrained=i % 3 == 0, **sampling))
+                        constrained=constrained and i % 3 == 0, **sampling))
     return out
 
 
-async def run_all(base_url: str, model: str, on_progress=None) -> list[tuple[str, float, float]]:
+async def run_all(base_url: str, model: str, on_progress=None,
+                  constrained: bool = False) -> list[tuple[str, float, float]]:
     """Stream every request concurrently; (text, seconds, longest gap between chunks in seconds)
     each. Any client-visible error raises."""
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -74,7 +76,7 @@ async def run_all(base_url: str, model: str, on_progress=None) -> list[tuple[str
         return "".join(pieces), time.monotonic() - start, gap
 
     try:
-        return await asyncio.gather(*(one(spec) for spec in requests()))
+        return await asyncio.gather(*(one(spec) for spec in requests(constrained)))
     finally:
         await client.close()
 
@@ -90,7 +92,7 @@ def test_killed_replica_mid_stream_loses_nothing(tiny_checkpoints):
         urls = [url for url, _ in fleet]
         with router(urls, "--policy", "round_robin") as (router_url, _):
             asyncio.run(run_all(router_url, model))  # warm-up: the reference timing is a warm one
-            reference = asyncio.run(run_all(router_url, model))
+            reference = asyncio.run(run_all(router_url, model, constrained=True))
             victim = fleet[1][1]
             killed = []
 
@@ -99,10 +101,10 @@ def test_killed_replica_mid_stream_loses_nothing(tiny_checkpoints):
                     os.killpg(victim.pid, signal.SIGKILL)
                     killed.append(time.monotonic())
 
-            faulted = asyncio.run(run_all(router_url, model, kill_midway))
+            faulted = asyncio.run(run_all(router_url, model, kill_midway, constrained=True))
             assert killed, "the replica was never killed"
             assert [text for text, _, _ in faulted] == [text for text, _, _ in reference]
-            for spec, (text, _, _) in zip(requests(), faulted):
+            for spec, (text, _, _) in zip(requests(constrained=True), faulted):
                 if spec["constrained"]:
                     jsonschema.validate(json.loads(text), SCHEMA)
             # the failure's cost to a client: the longest pause in its stream (detection + resume)

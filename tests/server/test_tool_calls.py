@@ -143,9 +143,10 @@ def streamed(client, **kwargs):
     return content, [(names[i], args[i]) for i in sorted(names)], finish
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
-@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=5)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("tool_choice, sampling", [
+    ("required", dict(temperature=0)),
+    ({"type": "function", "function": {"name": "get_weather"}}, dict(temperature=1.0, seed=5)),
+], ids=["required-greedy", "named-seeded"])
 def test_forced_tool_calls_whole_and_streamed_are_byte_identical(client, tool_choice, sampling):
     kwargs = dict(model="smol", messages=WEATHER, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
                   parallel_tool_calls=False, **sampling)
