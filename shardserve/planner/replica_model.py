@@ -2,7 +2,7 @@
 into mean TTFT, TPOT and batch size at an arrival rate.
 
 With arrival rate lam per replica, prompt length I, output length O (O - 1 decode steps after
-the first token), mean decode context I + O / 2, and t_p = the time to prefill one prompt alone:
+the first token), mean decode context I + O / 2, and t_p = the time per prompt of a prefill step:
 
     rho   = lam * t_p                          share of time spent prefilling (must be < 1)
     TPOT  = t_decode(n) / (1 - rho)            prefill chunks steal steps from decoding
@@ -10,6 +10,11 @@ the first token), mean decode context I + O / 2, and t_p = the time to prefill o
     TTFT  = rho t_p / (2 (1 - rho))            M/D/1 wait for the prefills ahead (Pollaczek-Khinchine)
           + (1 - e^-n) t_decode(n) / 2         the step in flight when it arrives (if any)
           + prefill of I in chunks of (budget - n) tokens, each step shared with the n decodes
+
+Prompts that wait together are prefilled together, as a chunked-prefill engine packs them under
+its token budget B: a step takes k of them (k <= B // I), sharing one weight read and one step's
+overhead, so t_p = t_step(k prompts) / k, where k = clamp(lam * t_step(k), 1, B // I) is what
+arrives while one such step runs (a fixed point; k = 1 at light load, or for prompts over B).
 
 n is the smallest fixed point of the second and third lines, found by iterating from n = 0.
 The replica is overloaded when rho >= 1, or n exceeds what one step can carry: the sequences
@@ -107,12 +112,28 @@ class ReplicaModel:
     def _decode_context_len(self) -> float:
         return self.input_len + self.output_len / 2
 
+    def packed_prefill(self, arrival_qps: float) -> tuple[int, float]:
+        """(k, step seconds): how many prompts a prefill step takes at `arrival_qps`, and the
+        time of that step (see the module docstring)."""
+        k_max = self.max_num_batched_tokens // self.input_len
+        if k_max <= 1:
+            return 1, self.prefill_s
+        k = 1
+        for _ in range(_MAX_ITERATIONS):
+            step_s = prefill_time(self.deployment, self.input_len, k).total_s
+            wanted = min(k_max, max(1, math.ceil(arrival_qps * step_s)))
+            if wanted == k:
+                return k, step_s
+            k = wanted
+        return k, prefill_time(self.deployment, self.input_len, k).total_s
+
     def _unstable(self, arrival_qps: float, rho: float, n: float) -> ReplicaPrediction:
         return ReplicaPrediction(arrival_qps, False, n, rho, math.inf, math.inf, math.inf, "overload")
 
     def predict(self, arrival_qps: float) -> ReplicaPrediction:
         """Mean TTFT, TPOT, E2E and batch at `arrival_qps` requests/s (see the module docstring)."""
-        rho = arrival_qps * self.prefill_s
+        packed, packed_step_s = self.packed_prefill(arrival_qps)
+        rho = arrival_qps * packed_step_s / packed
         if rho >= 1:
             return self._unstable(arrival_qps, rho, math.inf)
         num_decode_steps = self.output_len - 1
@@ -131,8 +152,9 @@ class ReplicaModel:
             return self._unstable(arrival_qps, rho, n)
         step = decode_step_time(self.deployment, n, self._decode_context_len)
         tpot_s = step.total_s / (1 - rho)
-        wait_s = rho * self.prefill_s / (2 * (1 - rho)) + (1 - math.exp(-n)) * step.total_s / 2
-        ttft_s = wait_s + self._prefill_s(n)
+        ahead_s = self.prefill_s if packed == 1 else packed_step_s  # a prefill step ahead of it
+        wait_s = rho * ahead_s / (2 * (1 - rho)) + (1 - math.exp(-n)) * step.total_s / 2
+        ttft_s = wait_s + (self._prefill_s(n) if packed == 1 else packed_step_s)
         e2e_s = ttft_s + num_decode_steps * tpot_s
         return ReplicaPrediction(arrival_qps, True, n, rho, ttft_s, tpot_s if num_decode_steps else 0.0, e2e_s,
                                  step.bottleneck)
@@ -140,8 +162,10 @@ class ReplicaModel:
     def capacity_qps(self, slo: SLO | None, rel_tol: float = 1e-3) -> float:
         """The highest arrival rate at which the replica is stable and meets `slo` (None:
         stability alone), to `rel_tol`; 0 when not even a trickle of traffic meets it.
-        Bisects in log space below the prefill saturation rate 1 / prefill_s."""
-        hi = 1.0 / self.prefill_s
+        Bisects in log space below the prefill saturation rate (prompts packed as tightly as the
+        token budget allows)."""
+        k_max = max(1, self.max_num_batched_tokens // self.input_len)
+        hi = k_max / prefill_time(self.deployment, self.input_len, k_max).total_s if k_max > 1 else 1 / self.prefill_s
         lo = hi * 1e-6
         if not self.predict(lo).meets(slo):
             return 0.0

@@ -39,6 +39,8 @@ def test_memory_is_what_the_device_has_in_binary_units():
 
 
 @pytest.mark.parametrize("alias,name", [("h100", "H100 SXM"), ("H100-sxm", "H100 SXM"), ("a100", "A100 80GB"),
+                                        ("H100-SXM-80GB", "H100 SXM"), ("H200-SXM-141GB", "H200"),
+                                        ("A100-SXM4-80GB", "A100 80GB"),
                                         ("tpu_v5e", "TPU v5e"), ("trn2", "Trainium2"), ("mi300x", "MI300X")])
 def test_lookup_is_case_insensitive_with_aliases(alias, name):
     assert get_hardware(alias).name == name

@@ -88,3 +88,18 @@ def test_workload_validation():
         Workload(100, 10, 0)
     with pytest.raises(ConfigError, match="at least 1"):
         Workload(0, 10, 1)
+
+
+def test_short_prompts_that_wait_together_are_prefilled_together():
+    """128-token prompts under a 2,048-token budget: a step takes up to 16, sharing its weight
+    read, so a replica takes many more prompts per second than one prefill at a time allows."""
+    replica = ReplicaModel(LLAMA8B, input_len=128, output_len=1, max_num_seqs=1000)
+    alone_s = prefill_time(LLAMA8B, 128).total_s
+    assert replica.packed_prefill(1e-3) == (1, pytest.approx(alone_s))  # a trickle: one at a time
+    rate = 2 / alone_s  # two arrive while one prefills alone
+    k, step_s = replica.packed_prefill(rate)
+    assert 2 <= k <= 16 and step_s == pytest.approx(prefill_time(LLAMA8B, 128, k).total_s)
+    assert k == min(16, math.ceil(rate * step_s))  # the fixed point
+    pred = replica.predict(rate)
+    assert pred.stable and pred.prefill_utilization == pytest.approx(rate * step_s / k)
+    assert replica.capacity_qps(None) > 2 / alone_s  # one-at-a-time prefill saturates at 1 / alone_s
