@@ -16,6 +16,14 @@ its token budget B: a step takes k of them (k <= B // I), sharing one weight rea
 overhead, so t_p = t_step(k prompts) / k, where k = clamp(lam * t_step(k), 1, B // I) is what
 arrives while one such step runs (a fixed point; k = 1 at light load, or for prompts over B).
 
+Closed loop (`predict_closed_loop`: C clients, each sending its next request when the previous
+one ends, as most published serving benchmarks run): with every request the same length, the
+clients stay in step, so requests arrive in waves of C. A wave's prompts are prefilled k at a
+time (k = min(C, B // I)) in m = ceil(C / k) steps of t_k; the j-th group's first token comes
+after j of them (mean TTFT = t_k (m + 1) / 2), then the C sequences decode together:
+
+    period = m t_k + (O - 1) t_decode(C)       throughput = C / period requests per second
+
 n is the smallest fixed point of the second and third lines, found by iterating from n = 0.
 The replica is overloaded when rho >= 1, or n exceeds what one step can carry: the sequences
 whose KV fits, and the step's token budget (each decode is one token of it; a prefill chunk
@@ -158,6 +166,28 @@ class ReplicaModel:
         e2e_s = ttft_s + num_decode_steps * tpot_s
         return ReplicaPrediction(arrival_qps, True, n, rho, ttft_s, tpot_s if num_decode_steps else 0.0, e2e_s,
                                  step.bottleneck)
+
+    def predict_closed_loop(self, concurrency: int) -> ReplicaPrediction:
+        """Mean TTFT, TPOT and E2E with `concurrency` clients in a closed loop, and the request
+        rate they reach (`arrival_qps`); see the module docstring. Clients beyond what one step
+        carries (KV capacity, the token budget) wait for a slot, as they would on the engine."""
+        if concurrency < 1:
+            raise ConfigError(f"concurrency must be at least 1, got {concurrency}")
+        running = min(concurrency, self.max_num_seqs, self.max_num_batched_tokens - 1)
+        per_step = max(1, min(running, self.max_num_batched_tokens // self.input_len))
+        num_prefill_steps = math.ceil(running / per_step)
+        prefill_step_s = (prefill_time(self.deployment, self.input_len, per_step).total_s
+                          if self.input_len <= self.max_num_batched_tokens else self.prefill_s)
+        ttft_s = prefill_step_s * (num_prefill_steps + 1) / 2
+        num_decode_steps = self.output_len - 1
+        step = decode_step_time(self.deployment, running, self._decode_context_len)
+        tpot_s = step.total_s if num_decode_steps else 0.0
+        period_s = num_prefill_steps * prefill_step_s + num_decode_steps * tpot_s
+        waves_waited = math.ceil(concurrency / running) - 1  # clients without a slot sit out whole waves
+        ttft_s += waves_waited * period_s
+        rate = running / period_s
+        return ReplicaPrediction(rate, True, running, rate * prefill_step_s * num_prefill_steps / running, ttft_s,
+                                 tpot_s, ttft_s + num_decode_steps * tpot_s, step.bottleneck)
 
     def capacity_qps(self, slo: SLO | None, rel_tol: float = 1e-3) -> float:
         """The highest arrival rate at which the replica is stable and meets `slo` (None:

@@ -103,3 +103,23 @@ def test_short_prompts_that_wait_together_are_prefilled_together():
     pred = replica.predict(rate)
     assert pred.stable and pred.prefill_utilization == pytest.approx(rate * step_s / k)
     assert replica.capacity_qps(None) > 2 / alone_s  # one-at-a-time prefill saturates at 1 / alone_s
+
+
+def test_closed_loop_clients_arrive_in_waves_and_queue_behind_each_others_prefill():
+    """64 clients, 1,024-token prompts, a 2,048-token budget: two prompts a prefill step, 32 steps
+    a wave, so the mean client waits 16.5 of them for its first token (Poisson at the same rate
+    would predict far less: the prompts do not arrive spread out)."""
+    replica = ReplicaModel(LLAMA8B, input_len=1024, output_len=128, max_num_seqs=1000)
+    t2 = prefill_time(LLAMA8B, 1024, 2).total_s
+    tpot = decode_step_time(LLAMA8B, 64, 1024 + 64).total_s
+    pred = replica.predict_closed_loop(64)
+    assert pred.ttft_s == pytest.approx(t2 * 33 / 2)
+    assert pred.tpot_s == pytest.approx(tpot)
+    assert pred.arrival_qps == pytest.approx(64 / (32 * t2 + 127 * tpot))
+    assert pred.ttft_s > 3 * replica.predict(pred.arrival_qps).ttft_s
+    # clients beyond the KV capacity wait out a whole wave
+    small = ReplicaModel(LLAMA8B, input_len=1024, output_len=128, max_num_seqs=32)
+    full, half = small.predict_closed_loop(64), small.predict_closed_loop(32)
+    assert full.num_running_seqs == 32 and full.arrival_qps == pytest.approx(half.arrival_qps)
+    period = 16 * t2 + 127 * decode_step_time(LLAMA8B, 32, 1024 + 64).total_s
+    assert full.ttft_s == pytest.approx(half.ttft_s + period)
