@@ -6,8 +6,8 @@ costs it 19-105 us a token (mean 41), xgrammar 5-22 us (mean 15), against a deco
 20-80 ms: either is under 1% of a step at 32 sequences. llguidance needs no other package,
 where xgrammar pulls in triton and transformers, and it compiles a schema in about 1 ms (xgrammar
 4-8 ms). The masks of a step are computed in one parallel call in the sampler, not overlapped
-with the forward pass: a whole batch's costs 0.1-0.2 ms, less than handing it to a thread that
-then waits for the GIL (benchmarks/constrained_throughput.py: constrained serving runs at
+with the forward pass: a whole batch's costs 0.03-0.06 ms (8-32 sequences), less than handing
+it to a thread that then waits for the GIL (benchmarks/constrained_throughput.py: constrained serving runs at
 0.95-0.98x unconstrained).
 
 One `Grammars` per process, built with the model's tokenizer: it checks specs (the validator

@@ -118,30 +118,30 @@ class ParsedCall:
 class ParsedReply:
     content: str
     calls: list[ParsedCall] = field(default_factory=list)
+    calls_start: int | None = None  # where the tool-call part begins (None: no marker yet)
 
 
-def parse(fmt: ToolCallFormat, text: str, final: bool) -> ParsedReply:
+def parse(fmt: ToolCallFormat, text: str, final: bool, search_from: int = 0) -> ParsedReply:
     """The reply's content and calls in `text`. Before `final`, content stops short of anything
     that could still turn out to open a call (a marker's prefix, trailing whitespace). A call
     shows up once its name is complete; its arguments as far as they are written. If the final
-    text has a marker but no readable call, it is all content."""
-    start = _calls_start(fmt, text)
+    text has a marker but no readable call, it is all content. `search_from`: no marker starts
+    before it (a stream has looked there already)."""
+    start = _calls_start(fmt, text, search_from)
     if start is None:
         return ParsedReply(text if final else _hold_back(fmt, text))
     calls = _read_calls(fmt, text, start)
     if final and not calls:
-        return ParsedReply(text)
-    return ParsedReply(text[:start].rstrip(), calls)
+        return ParsedReply(text, calls_start=start)
+    return ParsedReply(text[:start].rstrip(), calls, start)
 
 
-def _calls_start(fmt: ToolCallFormat, text: str) -> int | None:
+def _calls_start(fmt: ToolCallFormat, text: str, search_from: int = 0) -> int | None:
     if fmt.start:
-        found = text.find(fmt.start)
+        found = text.find(fmt.start, search_from)
         return None if found < 0 else found
-    stripped = text.lstrip()  # llama3_json: a reply that is a JSON object (or the python tag)
-    if stripped.startswith("{") or stripped.startswith(PYTHON_TAG):
-        return len(text) - len(stripped)
-    return None
+    first = _skip_ws(text, 0)  # llama3_json: a reply that is a JSON object (or the python tag)
+    return first if text.startswith("{", first) or text.startswith(PYTHON_TAG, first) else None
 
 
 def _hold_back(fmt: ToolCallFormat, text: str) -> str:
@@ -284,6 +284,7 @@ class ToolCallStream:
 
     def __init__(self, fmt: ToolCallFormat):
         self.fmt = fmt
+        self.searched = 0  # no marker starts before this (so each step searches only new text)
         self.sent_content = 0
         self.sent: list[int] = []  # characters of each call's arguments sent
         self.ids: list[str] = []
@@ -294,7 +295,11 @@ class ToolCallStream:
 
     def feed(self, text: str, final: bool) -> dict:
         """The delta ({"content": ..., "tool_calls": [...]}, either or both, or {})."""
-        reply = parse(self.fmt, text, final)
+        reply = parse(self.fmt, text, final, self.searched)
+        if reply.calls_start is not None:
+            self.searched = reply.calls_start
+        elif self.fmt.start:  # a marker could still end in the last len(marker) - 1 characters
+            self.searched = max(self.searched, len(text) - len(self.fmt.start) + 1)
         delta: dict = {}
         if len(reply.content) > self.sent_content:
             delta["content"] = reply.content[self.sent_content:]
