@@ -185,6 +185,11 @@ def test_the_readme_first_example_answers_sensibly_with_default_sampling(server)
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     body = json.loads(re.search(r"-d '(\{.*?\})'", readme).group(1))
     assert set(body) == {"model", "messages", "max_tokens"}  # no sampling field: the defaults decide
-    for seed in range(10):
-        reply = httpx.post(f"{server}/v1/chat/completions", json={**body, "model": "smol", "seed": seed}, timeout=60)
+    async def ten_tries():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(http.post(f"{server}/v1/chat/completions", json={**body, "model": "smol",
+                                                                                             "seed": seed})
+                                          for seed in range(10)))
+
+    for reply in asyncio.run(ten_tries()):
         assert "Paris" in reply.json()["choices"][0]["message"]["content"]

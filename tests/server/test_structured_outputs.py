@@ -10,9 +10,9 @@ import openai
 import pytest
 
 PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 40},
+    "name": {"type": "string", "maxLength": 24},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "city": {"type": "string", "maxLength": 40}},
+    "city": {"type": "string", "maxLength": 24}},
     "required": ["name", "age", "city"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Invent a person: their name, age and city, as JSON."}]
 
@@ -33,6 +33,22 @@ def test_json_schema_is_valid_in_50_of_50_samples_at_temperature_1(async_client)
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), PERSON)
     assert len({r.choices[0].message.content for r in replies}) > 25  # sampled, not one answer
+
+
+@pytest.mark.parametrize("body, valid", [
+    ({"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}},
+     lambda text: re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", text)),
+    ({"guided_choice": ["yes", "no", "maybe"]}, lambda text: text in ("yes", "no", "maybe")),
+], ids=["regex", "choice"])
+def test_regex_and_choice_hold_in_50_of_50_samples_at_temperature_1(async_client, body, valid):
+    async def all_of_them():
+        return await asyncio.gather(*(async_client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "When did it happen? Was it good?"}],
+            temperature=1.0, seed=seed, max_tokens=16, extra_body=body) for seed in range(50)))
+
+    texts = [r.choices[0].message.content for r in asyncio.run(all_of_them())]
+    assert all(valid(t) for t in texts), [t for t in texts if not valid(t)]
+    assert len(set(texts)) > 1
 
 
 def test_stream_and_whole_agree_for_a_seeded_constrained_request(client):

@@ -3,6 +3,7 @@ size (the deltas must add up to the whole parse, character for character), the p
 grammar sides, and the API end to end with the `openai` client."""
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -150,7 +151,10 @@ def streamed(client, **kwargs):
 def test_forced_tool_calls_whole_and_streamed_are_byte_identical(client, tool_choice, sampling):
     kwargs = dict(model="smol", messages=WEATHER, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
                   parallel_tool_calls=False, **sampling)
-    whole = client.chat.completions.create(**kwargs)
+    with ThreadPoolExecutor(2) as pool:  # both at once: they share the server's steps
+        whole_reply, streamed_reply = pool.submit(client.chat.completions.create, **kwargs), pool.submit(
+            streamed, client, **kwargs)
+        whole, (content, calls, finish) = whole_reply.result(), streamed_reply.result()
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -159,7 +163,6 @@ def test_forced_tool_calls_whole_and_streamed_are_byte_identical(client, tool_ch
         assert call.function.name == "get_weather"
     schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema)
-    content, calls, finish = streamed(client, **kwargs)
     assert (content, calls, finish) == ("", [(call.function.name, call.function.arguments)], "tool_calls")
 
 
