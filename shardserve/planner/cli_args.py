@@ -29,6 +29,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--isl", type=int, default=1024, help="mean prompt length in tokens")
     p.add_argument("--osl", type=int, default=256, help="mean output length in tokens")
     p.add_argument("--qps", type=float, default=None, help="arrival rate to serve, requests/s (Poisson)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="instead of --qps: clients per replica in a closed loop, as serving benchmarks run")
     p.add_argument("--slo", default=_DEFAULT_SLO, help=f"mean latency targets (default {_DEFAULT_SLO}; also e2e_ms)")
     p.add_argument("--dtype", default="bfloat16", choices=ALL_DTYPES,
                    help="weights and KV cache dtype")
@@ -102,10 +104,11 @@ def run_plan_command(args: argparse.Namespace) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens)
     if args.fleet:
         return _run_fleet(args, space)
-    if args.model is None or args.qps is None:
-        raise ConfigError("plan needs --model and --qps (or --fleet FILE)")
+    if args.model is None or (args.qps is None) == (args.concurrency is None):
+        raise ConfigError("plan needs --model and one of --qps and --concurrency (or --fleet FILE)")
     slo = parse_slo(args.slo)
-    workload = Workload(args.isl, args.osl, args.qps)
+    workload = Workload(args.isl, args.osl, args.qps, args.concurrency)
+    traffic = f"{args.qps:g} req/s" if args.qps is not None else f"{args.concurrency} clients per replica (closed loop)"
     devices = _devices(_split_names(args.hardware, "--hardware"), args.what_if, args.calibration, args.dtype)
     model = resolve_model(args.model)
     start = time.perf_counter()
@@ -113,7 +116,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     elapsed_s = time.perf_counter() - start
     kind = f"MoE {model.num_experts} experts top-{model.num_experts_per_token}" if model.is_moe else "dense"
     print(f"plan: {args.model} ({model.num_params / 1e9:.1f}B params, {kind}), {args.dtype}; "
-          f"isl {args.isl}, osl {args.osl}, {args.qps:g} req/s; SLO {args.slo} (means)")
+          f"isl {args.isl}, osl {args.osl}, {traffic}; SLO {args.slo} (means)")
     print(_efficiency_line(devices))
     print(format_plan(plan, args.top, elapsed_s))
     if args.what_if:
@@ -141,13 +144,15 @@ def _write_outputs(args, plan, model, devices, elapsed_s: float) -> None:
 
     if args.json:
         meta = {"model": args.model, "num_params": model.num_params, "dtype": args.dtype,
-                "workload": {"isl": args.isl, "osl": args.osl, "qps": args.qps}, "slo": args.slo,
+                "workload": {"isl": args.isl, "osl": args.osl, "qps": args.qps, "concurrency": args.concurrency},
+                "slo": args.slo,
                 "what_if": args.what_if, "rank_by": args.rank_by, "search_s": elapsed_s,
                 "efficiency": {hw.name: eff.label for hw, eff in devices},
                 "calibrated": all(eff.calibrated for _, eff in devices)}
         write_json(plan_json(plan, meta), args.json)
     if args.plot:
-        title = f"{args.model}: isl {args.isl}, osl {args.osl}, {args.qps:g} req/s, SLO {args.slo}"
+        traffic = f"{args.qps:g} req/s" if args.qps is not None else f"{args.concurrency} clients"
+        title = f"{args.model}: isl {args.isl}, osl {args.osl}, {traffic}, SLO {args.slo}"
         write_pareto_plot(plan, args.plot, title)
 
 

@@ -44,17 +44,23 @@ _MAX_ITERATIONS = 200
 
 @dataclass(frozen=True)
 class Workload:
-    """The traffic to serve: mean prompt and output lengths in tokens, and total arrival rate."""
+    """The traffic to serve: mean prompt and output lengths in tokens, and either a total arrival
+    rate (Poisson) or a number of clients per replica in a closed loop (as benchmarks run)."""
 
     input_len: int
     output_len: int
-    qps: float
+    qps: float | None = None
+    concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
             raise ConfigError(f"prompt and output lengths must be at least 1, got {self.input_len}, {self.output_len}")
-        if not 0 < self.qps < math.inf:
+        if (self.qps is None) == (self.concurrency is None):
+            raise ConfigError("give an arrival rate (qps) or a closed loop's concurrency, not both")
+        if self.qps is not None and not 0 < self.qps < math.inf:
             raise ConfigError(f"qps must be a positive number, got {self.qps}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError(f"concurrency must be at least 1, got {self.concurrency}")
 
 
 @dataclass(frozen=True)

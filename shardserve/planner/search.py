@@ -130,7 +130,8 @@ def _row(dep: Deployment, workload: Workload, replicas: int, pred: ReplicaPredic
     else:
         ttft_ms, tpot_ms, e2e_ms = pred.ttft_s * 1e3, pred.tpot_s * 1e3, pred.e2e_s * 1e3
         batch = pred.num_running_seqs
-        cost_per_m = cost_per_hour / (workload.qps * workload.output_len * 3600) * 1e6
+        served_qps = pred.arrival_qps * replicas  # the workload's rate, or what a closed loop reaches
+        cost_per_m = cost_per_hour / (served_qps * workload.output_len * 3600) * 1e6
         max_seqs = (_recommended_max_num_seqs(batch, kv_capacity_seqs, step_budget) if pred.stable
                     else min(kv_capacity_seqs, step_budget))
     return PlanRow(
@@ -159,6 +160,9 @@ def plan_layout(dep: Deployment, workload: Workload, slo: SLO, space: SearchSpac
     if kv_seqs < 1:
         return [_row(dep, workload, 0, None, 0, False, "does not fit in memory", budget)]
     replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, space.max_num_batched_tokens)
+    if workload.concurrency is not None:  # one replica under the benchmark's clients
+        pred = replica.predict_closed_loop(workload.concurrency)
+        return [_row(dep, workload, 1, pred, kv_seqs, pred.meets(slo), pred.decode_bottleneck, budget)]
     capacity = replica.capacity_qps(slo)
     meets, target = capacity > 0, slo
     if not meets:  # report what merely keeping up would take

@@ -164,3 +164,15 @@ def test_recommended_max_num_seqs_fits_the_step_budget():
     assert _recommended_max_num_seqs(1000, 5000, 4096) == 2048
     assert _recommended_max_num_seqs(1000, 5000, 512) == 512
     assert _recommended_max_num_seqs(1000, 300, 512) == 300
+
+
+def test_a_closed_loop_plan_is_one_replica_per_layout_at_the_rate_its_clients_reach():
+    plan = search(LLAMA8B, on(_only_tp1(H100)), Workload(1024, 128, concurrency=64), LOOSE,
+                  space=SearchSpace(max_nodes_per_replica=1))
+    (row,) = plan.rows
+    kv_seqs = max_num_seqs_that_fit(max_batch_tokens(LLAMA8B, ParallelConfig(), H100, 2, 0.9), 1152)
+    expected = ReplicaModel(Deployment(LLAMA8B, ParallelConfig(), H100), 1024, 128, kv_seqs).predict_closed_loop(64)
+    assert row.replicas == 1 and row.ttft_ms == pytest.approx(expected.ttft_s * 1e3)
+    assert row.cost_per_million_tokens == pytest.approx(H100.price_per_hour_usd / (expected.arrival_qps * 128 * 3600) * 1e6)
+    with pytest.raises(ConfigError, match="not both"):
+        Workload(1024, 128, qps=1.0, concurrency=8)
