@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shardserve.config import ConfigError, ModelConfig, ParallelConfig
-from shardserve.dtypes import dtype_bytes_of
+from shardserve.dtypes import dtype_bytes_of, kv_bytes_of
 from shardserve.param_counts import (
     attention_params, dense_mlp_params, expert_params, o_params, qkv_params, router_params,
 )
@@ -68,8 +68,12 @@ class Deployment:
         object.__setattr__(self, "stages", stage_plans(self.model, self.parallel))
 
     @property
-    def dtype_bytes(self) -> int:
+    def dtype_bytes(self) -> float:
         return dtype_bytes_of(self.dtype)
+
+    @property
+    def kv_bytes(self) -> int:
+        return kv_bytes_of(self.dtype)
 
     @property
     def activation_bytes(self) -> int:
@@ -314,7 +318,7 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWo
         gemm_flops += 2 * load.num_seqs * head_params
         read_params += head_params
     attn_flops_per_pair = stage.num_layers * 4 * (model.num_heads / tp) * model.head_dim
-    kv_token_bytes = stage_kv_bytes_per_token(model, tp, stage, dep.dtype_bytes)
+    kv_token_bytes = stage_kv_bytes_per_token(model, tp, stage, dep.kv_bytes)
     return _StageWork(gemm_flops, read_params * dep.dtype_bytes, attn_flops_per_pair * load.num_pairs,
                       load.num_context_tokens * kv_token_bytes, attn_flops_per_pair * load.num_decode_pairs)
 

@@ -103,7 +103,8 @@ def fleet_options(demands: list[FleetDemand], pool: list[PoolDevice], dtype: str
             for par in candidate_layouts(demand.model, device.hardware, space.max_nodes_per_replica):
                 try:
                     dep = Deployment(demand.model, par, device.hardware, dtype, device.efficiency)
-                    kv_tokens = max_batch_tokens(dep.model, par, dep.hardware, dep.dtype_bytes, space.mem_fraction)
+                    kv_tokens = max_batch_tokens(dep.model, par, dep.hardware, dep.dtype_bytes, space.mem_fraction,
+                                                 dep.kv_bytes)
                     kv_seqs = max_num_seqs_that_fit(kv_tokens, wl.input_len + wl.output_len, space.block_size)
                     if kv_seqs < 1:
                         continue

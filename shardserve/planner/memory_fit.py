@@ -28,22 +28,24 @@ def kv_bytes_per_token_per_rank(model: ModelConfig, par: ParallelConfig, dtype_b
     return max(stage_kv_bytes_per_token(model, par.tp_size, s, dtype_bytes) for s in stage_plans(model, par))
 
 
-def weight_bytes_per_rank(model: ModelConfig, par: ParallelConfig, dtype_bytes: int) -> int:
+def weight_bytes_per_rank(model: ModelConfig, par: ParallelConfig, dtype_bytes: float) -> int:
     """Weight bytes on the most loaded rank (see rank_shards for what each rank holds)."""
     par.validate(model)
-    return max(stage_params_per_rank(model, par, s) for s in stage_plans(model, par)) * dtype_bytes
+    return math.ceil(max(stage_params_per_rank(model, par, s) for s in stage_plans(model, par)) * dtype_bytes)
 
 
-def max_batch_tokens(model: ModelConfig, par: ParallelConfig, hw: Hardware, dtype_bytes: int,
-                     mem_fraction: float = 0.9) -> int:
+def max_batch_tokens(model: ModelConfig, par: ParallelConfig, hw: Hardware, dtype_bytes: float,
+                     mem_fraction: float = 0.9, kv_bytes: int | None = None) -> int:
     """KV-cache tokens a replica can hold: the least, over stages, of
     floor((memory * mem_fraction - stage weight bytes) / stage KV bytes per token), at least 0.
-    `mem_fraction` leaves room for activations, the CUDA context and fragmentation."""
+    `mem_fraction` leaves room for activations, the CUDA context and fragmentation; `kv_bytes`
+    per KV element (default: the weights' `dtype_bytes`; fp4 weights keep an fp8 cache)."""
     par.validate(model)
+    kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
     tokens = []
     for stage in stage_plans(model, par):
         free_bytes = hw.memory_bytes * mem_fraction - stage_params_per_rank(model, par, stage) * dtype_bytes
-        tokens.append(max(0, int(free_bytes // stage_kv_bytes_per_token(model, par.tp_size, stage, dtype_bytes))))
+        tokens.append(max(0, int(free_bytes // stage_kv_bytes_per_token(model, par.tp_size, stage, kv_bytes))))
     return min(tokens)
 
 

@@ -20,13 +20,15 @@ _LLAMA31_COMMON: dict[str, Any] = {
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
 }
 
-# name -> config.json fields (meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B,
-# mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B on the Hugging Face hub).
+# name -> config.json fields (meta-llama/Llama-3.1-8B, -70B, -405B, mistralai/Mixtral-8x7B-v0.1,
+# Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the Hugging Face hub).
 _PRESET_HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {**_LLAMA31_COMMON, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8},
     "llama-3.1-70b": {**_LLAMA31_COMMON, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                       "num_attention_heads": 64, "num_key_value_heads": 8},
+    "llama-3.1-405b": {**_LLAMA31_COMMON, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+                       "num_attention_heads": 128, "num_key_value_heads": 8},
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -37,6 +39,14 @@ _PRESET_HF_CONFIGS: dict[str, dict[str, Any]] = {
         "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "num_experts": 128,
         "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "bos_token_id": 151643, "eos_token_id": 151645,

@@ -155,7 +155,8 @@ def plan_layout(dep: Deployment, workload: Workload, slo: SLO, space: SearchSpac
     """Rows for one layout: first the fewest replicas (the ranked row), then larger counts
     (Pareto candidates). One row with fits=False when the model does not fit."""
     budget = space.max_num_batched_tokens
-    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction)
+    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction,
+                                 dep.kv_bytes)
     kv_seqs = max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
     if kv_seqs < 1:
         return [_row(dep, workload, 0, None, 0, False, "does not fit in memory", budget)]

@@ -60,7 +60,7 @@ def engine_num_kv_blocks(dep: Deployment, block_size: int, max_model_len: int,
     """KV blocks per replica as the engine would allocate them (module docstring). ConfigError,
     worded like the engine's, when they cannot hold one full context."""
     dtype_bytes = dep.dtype_bytes
-    block_bytes = kv_bytes_per_token_per_rank(dep.model, dep.parallel, dtype_bytes) * block_size
+    block_bytes = kv_bytes_per_token_per_rank(dep.model, dep.parallel, dep.kv_bytes) * block_size
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
     else:

@@ -11,7 +11,8 @@ from shardserve.planner.model_presets import preset, preset_names, resolve_model
 
 
 def test_presets_have_the_published_shapes():
-    assert preset_names() == ["llama-3.1-70b", "llama-3.1-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
+    assert preset_names() == ["llama-3.1-405b", "llama-3.1-70b", "llama-3.1-8b", "mixtral-8x7b", "qwen3-235b-a22b",
+                              "qwen3-30b-a3b"]
     llama = preset("llama-3.1-70b")
     assert (llama.num_layers, llama.hidden_size, llama.num_kv_heads, llama.vocab_size) == (80, 8192, 8, 128256)
     mixtral = preset("mixtral-8x7b")
@@ -21,6 +22,8 @@ def test_presets_have_the_published_shapes():
     assert qwen.architecture == "qwen3_moe" and qwen.qk_norm
     assert (qwen.num_experts, qwen.num_experts_per_token, qwen.moe_intermediate_size) == (128, 8, 768)
     assert (qwen.num_kv_heads, qwen.head_dim) == (4, 128)
+    big = preset("qwen3-235b-a22b")  # "235B total, 22B active"
+    assert 234e9 < big.num_params < 236e9
 
 
 @pytest.mark.parametrize("name", ["Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct", "llama3.1_70b"])

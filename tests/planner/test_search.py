@@ -176,3 +176,19 @@ def test_a_closed_loop_plan_is_one_replica_per_layout_at_the_rate_its_clients_re
     assert row.cost_per_million_tokens == pytest.approx(H100.price_per_hour_usd / (expected.arrival_qps * 128 * 3600) * 1e6)
     with pytest.raises(ConfigError, match="not both"):
         Workload(1024, 128, qps=1.0, concurrency=8)
+
+
+def test_fp4_weights_keep_an_fp8_kv_cache_and_plan_on_the_devices_that_have_fp4():
+    """Llama-3.1-405B in NVFP4 (4.5 bits a weight with its scales): 228 GB, more than one B200's
+    180 GiB, so two at least; its KV stays one byte an element."""
+    llama405 = preset("llama-3.1-405b")
+    b200 = get_hardware("b200")
+    assert 405e9 < llama405.num_params < 406e9
+    dep = Deployment(llama405, ParallelConfig(tp_size=2), b200, "float4")
+    assert dep.dtype_bytes == 0.5625 and dep.kv_bytes == 1
+    weights = math.ceil(llama405.num_params * 0.5625 / 2)  # per rank, roughly: embeddings split too
+    kv_tokens = max_batch_tokens(llama405, ParallelConfig(tp_size=2), b200, 0.5625, 0.9, kv_bytes=1)
+    per_token = 126 * 2 * 8 * 128 // 2  # K and V, 8 KV heads of 128 over 2 ranks, one byte each
+    assert kv_tokens == pytest.approx((180 * 2**30 * 0.9 - weights) / per_token, rel=0.01)
+    plan = search(llama405, on(b200, H100), Workload(1024, 256, 2.0), LOOSE, dtype="float4")
+    assert plan.best is not None and plan.best.gpus_per_replica >= 2 and plan.skipped == ("H100 SXM (no float4 path)",)
