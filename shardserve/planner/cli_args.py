@@ -132,10 +132,10 @@ def _what_if_line(args, model, workload, slo, space, plan) -> str:
     base = search(model, devices, workload, slo, args.dtype, space, args.rank_by).best
     new = plan.best
 
-    def describe(row) -> str:
+    def describe(row) -> str:  # latency too: a what-if may keep the cost and halve the TPOT
         return "nothing feasible" if row is None else (
             f"{row.hardware} {row.layout} x{row.replicas}, ${row.cost_per_million_tokens:.2f}/1M tok, "
-            f"{row.total_gpus} GPUs")
+            f"{row.total_gpus} GPUs, TTFT {row.ttft_ms:,.0f} ms, TPOT {row.tpot_ms:.1f} ms")
     return f"what-if {args.what_if}: best {describe(new)}; on today's devices: {describe(base)}"
 
 

@@ -4,6 +4,7 @@ loaded machine, so the tests pin what the time depends on, the layouts searched.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -91,6 +92,9 @@ def test_what_if_prints_the_comparison_and_plot_is_written(tmp_path, capsys):
     assert code == 0
     stdout = capsys.readouterr().out
     assert "what-if mem_bw=2x: best" in stdout and "on today's devices" in stdout
+    # the comparison shows the latency it buys, not only the cost: twice the bandwidth, lower TPOT
+    new_tpot, old_tpot = (float(t) for t in re.findall(r"TPOT ([0-9.]+) ms", stdout.split("what-if", 1)[1]))
+    assert new_tpot < old_tpot
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
