@@ -40,9 +40,14 @@ class StructuredOutputs:
                  self.grammar is not None]
         if sum(kinds) != 1:
             raise InvalidRequestError("structured outputs take exactly one of json, json_object, regex, choice "
-                                      "and grammar", self.source or "structured_outputs")
+                                      "and grammar", self.param)
         if any(not isinstance(c, str) or not c for c in self.choice):
-            raise InvalidRequestError("each choice must be a non-empty string", self.source or "structured_outputs")
+            raise InvalidRequestError("each choice must be a non-empty string", self.param)
+
+    @property
+    def param(self) -> str:
+        """The request field it came from, as errors name it."""
+        return self.source or "structured_outputs"
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ costs it 19-105 us a token (mean 41), xgrammar 5-22 us (mean 15), against a deco
 where xgrammar pulls in triton and transformers, and it compiles a schema in about 1 ms (xgrammar
 4-8 ms). The masks of a step are computed in one parallel call in the sampler, not overlapped
 with the forward pass: a whole batch's costs 0.03-0.06 ms (8-32 sequences), less than handing
-it to a thread that then waits for the GIL (benchmarks/constrained_throughput.py: constrained serving runs at
-0.95-0.98x unconstrained).
+it to a thread that then waits for the GIL (benchmarks/constrained_throughput.py: constrained
+serving runs at 0.95-0.98x unconstrained).
 
 One `Grammars` per process, built with the model's tokenizer: it checks specs (the validator
 calls it, so a bad schema is a 400), caches compiled grammar text per spec, and builds matchers.
@@ -34,11 +34,6 @@ MAX_SCHEMA_DEPTH = 32  # nested objects and arrays in a JSON schema
 CACHE_SIZE = 256  # compiled specs kept per process
 
 
-def spec_param(spec: StructuredOutputs) -> str:
-    """The request field a spec came from, as errors name it."""
-    return spec.source or "structured_outputs"
-
-
 def grammar_text(spec: StructuredOutputs) -> str:
     """llguidance's grammar for `spec` (not yet checked)."""
     import llguidance
@@ -61,7 +56,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
 
 def check_limits(spec: StructuredOutputs) -> None:
     """Size and nesting limits, before anything is parsed by the grammar compiler."""
-    param = spec_param(spec)
+    param = spec.param
     text = spec.json if spec.json is not None else spec.regex if spec.regex is not None else spec.grammar
     size = len((text or "").encode()) + sum(len(c.encode()) for c in spec.choice)
     if size > MAX_SPEC_BYTES:
@@ -122,10 +117,10 @@ class Grammars:
         try:
             text = grammar_text(spec)
         except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(f"{spec_param(spec)}: {exc}", spec_param(spec)) from None
+            raise InvalidRequestError(f"{spec.param}: {exc}", spec.param) from None
         error = llguidance.LLMatcher.validate_grammar(text, self._llguidance_tokenizer())
         if error:
-            raise InvalidRequestError(f"{spec_param(spec)}: {error.strip().splitlines()[0]}", spec_param(spec))
+            raise InvalidRequestError(f"{spec.param}: {error.strip().splitlines()[0]}", spec.param)
         with self._lock:
             self._compiled[spec] = text
             if len(self._compiled) > CACHE_SIZE:

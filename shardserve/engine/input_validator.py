@@ -31,7 +31,7 @@ class InputValidator:
         if any, compiles within the size and nesting limits."""
         spec = params.structured_outputs
         if spec is not None:
-            self.require_tokenizer(spec.source or "structured_outputs", "structured outputs")
+            self.require_tokenizer(spec.param, "structured outputs")
             self.grammars.compile(spec)
 
     def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

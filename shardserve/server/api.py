@@ -63,6 +63,7 @@ def build_app(async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str
                    constraint: StructuredOutputs | None = None) -> list[RequestSpec]:
         specs = []
         base = uuid.uuid4().hex
+        constraint = constraint or body.structured_output_spec()  # once, not once per choice
         for p_index, ids in enumerate(prompts):
             budget = engine.validator.token_budget(ids, max_tokens)
             for i in range(body.n):

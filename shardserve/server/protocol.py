@@ -145,7 +145,8 @@ class SamplingFields(BaseModel):
                         model_defaults: dict[str, float],
                         structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
         """The engine's SamplingParams; fields the request left out take `model_defaults` first.
-        `structured_outputs` is a constraint the server adds (a forced tool call)."""
+        `structured_outputs`: the request's constraint (structured_output_spec, or one the server
+        adds for a forced tool call), computed once by the caller for all its choices."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         chosen = {name: getattr(self, name) for name in MODEL_DEFAULT_FIELDS if getattr(self, name) is not None}
         return SamplingParams(
@@ -156,7 +157,7 @@ class SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=structured_outputs or self.structured_output_spec(),
+            structured_outputs=structured_outputs,
         )
 
 
