@@ -58,12 +58,7 @@ class Router:
     async def forward(self, kind: str, path: str, request: Request) -> Response:
         """One client request: parsed, admitted, sent (retried, resumed) and answered."""
         received_at = time.monotonic()
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return JSONResponse(error_body(400, f"request body is not valid JSON: {exc}"), status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse(error_body(400, "request body must be a JSON object"), status_code=400)
+        body = await _json_object(request)
         request_class = request.headers.get("x-request-class")
         if request_class and "request_class" not in body:
             body["request_class"] = request_class
@@ -88,11 +83,7 @@ class Router:
     async def forward_utility(self, path: str, request: Request) -> Response:
         """A request that generates nothing (/tokenize, /detokenize): to any replica, as it is,
         retried elsewhere on a failure; no admission, no seed."""
-        try:
-            body = json.loads(await request.body())
-        except ValueError as exc:
-            return JSONResponse(error_body(400, f"request body is not valid JSON: {exc}"), status_code=400)
-        status, answer = await self.forwarder.complete(path, body, "", time.monotonic())
+        status, answer = await self.forwarder.complete(path, await _json_object(request), "", time.monotonic())
         return JSONResponse(answer, status_code=status)
 
     def models(self) -> dict:
@@ -203,6 +194,17 @@ class EventStreamResponse(StreamingResponse):
             if self.interactive is not None:
                 self.interactive.release()
             await self.relay.aclose()
+
+
+async def _json_object(request: Request) -> dict:
+    """The request's body as a JSON object; RouterError 400 (the app answers it) otherwise."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "request body must be a JSON object")
+    return body
 
 
 def _prompt_prefix(body: dict, num_chars: int) -> str:

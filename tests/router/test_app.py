@@ -151,3 +151,18 @@ def test_tokenize_and_detokenize_go_to_a_replica_as_they_are():
 
     asyncio.run(scenario())
     assert len(replicas.received) == 2
+
+
+def test_a_body_that_is_not_a_json_object_is_a_400_on_every_forwarded_route():
+    replicas = FakeReplicas({"http://r0": held(asyncio.Event())})
+    app, _ = router_over(replicas)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            for route in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+                for body, message in ((b"nope", "not valid JSON"), (b"[1]", "a JSON object")):
+                    reply = await client.post(route, content=body)
+                    assert reply.status_code == 400 and message in reply.json()["error"]["message"]
+
+    asyncio.run(scenario())
+    assert replicas.received == []
