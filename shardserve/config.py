@@ -20,6 +20,14 @@ HF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Architectures the planner can size (shapes only: `from_hf_config(..., shapes_only=True)`) but
+# the engine has no implementation of: MLA attention, Llama 4's interleaved MoE.
+PLANNER_ONLY_ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Llama4ForConditionalGeneration": "llama4",
+    "Llama4ForCausalLM": "llama4",
+}
 
 
 class ConfigError(ValueError):
@@ -36,6 +44,24 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values are cached as one compressed
+    latent of `kv_lora_rank` plus a shared rotary key of `qk_rope_head_dim` per token and layer,
+    up-projected per head (`qk_nope_head_dim` of key, `v_head_dim` of value) when attended;
+    queries come through a `q_lora_rank` bottleneck (0: projected from the hidden state directly)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+
+    @property
+    def latent_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -68,6 +94,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True  # rescale the top-k router probabilities to sum to 1
     dense_layer_ids: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP
+    mla: MlaShape | None = None  # latent attention instead of per-head K and V (planner only)
 
     @property
     def is_moe(self) -> bool:
@@ -102,13 +129,21 @@ class ModelConfig:
         return self.num_layers * param_counts.kv_values_per_token(self) * dtype_bytes
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a parsed Hugging Face `config.json`."""
+    def from_hf_config(cls, hf: dict[str, Any], shapes_only: bool = False) -> "ModelConfig":
+        """Build from a parsed Hugging Face `config.json`. `shapes_only` (the planner) also
+        accepts PLANNER_ONLY_ARCHITECTURES and rope scalings the engine does not implement: the
+        result has the right sizes for counting, not what the engine needs to run it."""
         archs = hf.get("architectures") or []
-        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        known = {**HF_ARCHITECTURES, **PLANNER_ONLY_ARCHITECTURES} if shapes_only else HF_ARCHITECTURES
+        arch = next((known[a] for a in archs if a in known), None)
         if arch is None:
             supported = ", ".join(sorted(HF_ARCHITECTURES))
-            raise ConfigError(f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {supported}")
+            planned = next((a for a in archs if a in PLANNER_ONLY_ARCHITECTURES), None)
+            why = f" (`shardserve plan` can size {planned}; the engine cannot serve it)" if planned else ""
+            raise ConfigError(f"unsupported architecture {archs or hf.get('model_type')!r}{why}; "
+                              f"supported: {supported}")
+        if arch == "llama4":  # a multimodal config: the language model's shape is its text_config
+            hf = {**hf["text_config"], "architectures": archs}
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -116,22 +151,35 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf["intermediate_size_mlp" if arch == "llama4" else "intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=_head_dim(hf, num_heads),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(hf),
-            rope_scaling=_rope_scaling(hf),
+            rope_scaling=_rope_scaling(hf, shapes_only),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=arch in ("qwen3", "qwen3_moe"),
+            mla=_mla_shape(hf) if arch.startswith("deepseek") else None,
             **_moe_fields(arch, hf),
         )
+
+
+def _head_dim(hf: dict[str, Any], num_heads: int) -> int:
+    if "kv_lora_rank" in hf:  # MLA: a query/key head is its no-rope part plus its rotary part
+        return hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+    return hf.get("head_dim") or hf["hidden_size"] // num_heads
+
+
+def _mla_shape(hf: dict[str, Any]) -> MlaShape:
+    return MlaShape(kv_lora_rank=hf["kv_lora_rank"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                    qk_nope_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
+                    q_lora_rank=hf.get("q_lora_rank") or 0)
 
 
 def _attention_bias(arch: str, hf: dict[str, Any]) -> bool:
@@ -148,6 +196,21 @@ def _moe_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     if arch == "mixtral":  # every layer sparse; `intermediate_size` is the expert width
         return dict(num_experts=hf["num_local_experts"], num_experts_per_token=hf["num_experts_per_tok"],
                     moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    num_layers = hf["num_hidden_layers"]
+    if arch.startswith("deepseek"):  # the first k layers dense, then every moe_layer_freq-th sparse
+        first_k, freq = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
+        dense = tuple(i for i in range(num_layers) if i < first_k or i % freq)
+        return dict(num_experts=hf["n_routed_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["moe_intermediate_size"],
+                    shared_expert_intermediate_size=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)), dense_layer_ids=dense)
+    if arch == "llama4":  # experts and the shared expert are `intermediate_size` wide; dense MLPs wider
+        step = hf.get("interleave_moe_layer_step", 1)
+        sparse = set(hf.get("moe_layers") or range(step - 1, num_layers, step))
+        return dict(num_experts=hf["num_local_experts"], num_experts_per_token=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"],
+                    shared_expert_intermediate_size=hf["intermediate_size"], norm_topk_prob=False,
+                    dense_layer_ids=tuple(i for i in range(num_layers) if i not in sparse))
     if arch not in ("qwen2_moe", "qwen3_moe"):
         return {}
     # Layer i is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
@@ -167,11 +230,11 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
-def _rope_scaling(hf: dict[str, Any]) -> RopeScaling:
+def _rope_scaling(hf: dict[str, Any], shapes_only: bool = False) -> RopeScaling:
     # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_scaling`.
     rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     kind = rs.get("rope_type") or rs.get("type") or "default"
-    if kind == "default":
+    if kind == "default" or (shapes_only and kind not in ("llama3", "linear")):  # e.g. yarn: no size effect
         return RopeScaling()
     if kind not in ("llama3", "linear"):
         raise ConfigError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
@@ -227,6 +290,11 @@ class ParallelConfig:
     # layers per stage; default: as even as possible (the first stages take the remainder)
     pp_layer_partition: tuple[int, ...] | None = None
     num_redundant_experts: int = 0  # extra expert slots per EP rank, for hot-expert replicas
+    # Data-parallel attention (ep > tp, as SGLang and vLLM run DeepSeek): the stage's
+    # stage_size / tp attention groups each serve their own share of the sequences and hold only
+    # their KV, instead of repeating one attention; the experts stay spread over every rank. The
+    # planner prices this layout; the engine does not run it (EngineConfig refuses it).
+    dp_attention: bool = False
     comm_timeout_s: float = 20.0  # a peer silent this long is taken for dead
     # Several hosts without torchrun: every host runs the same command with its --node-rank;
     # each starts world_size / nnodes ranks and finds the others at node 0's host:port.
@@ -241,6 +309,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.pp_size * self.stage_size
+
+    @property
+    def attention_groups(self) -> int:
+        """Groups of tp ranks that attend to different sequences: stage_size / tp under
+        dp_attention, else 1 (the ranks beyond tp repeat the same attention)."""
+        return self.stage_size // self.tp_size if self.dp_attention else 1
 
     def validate(self, model: "ModelConfig") -> None:
         """Raise ConfigError, in one sentence, unless this layout can split `model`."""
@@ -267,6 +341,9 @@ class ParallelConfig:
             raise ConfigError(f"ep={ep} does not divide the model's {num_experts} experts")
         if ep > 1 and ep % tp:
             raise ConfigError(f"tp={tp} must divide ep={ep}: experts are spread over all ranks of a stage")
+        if self.dp_attention and ep <= tp:
+            raise ConfigError(f"dp_attention needs ep > tp (attention groups of tp ranks within ep ranks), "
+                              f"got tp={tp} ep={ep}")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"num_micro_batches={self.num_micro_batches} must be at least 1")
 
@@ -332,6 +409,10 @@ class EngineConfig:
     generation_config: str = "auto"
     # no tokenizer (vLLM's skip_tokenizer_init): prompts come as token ids, outputs carry ids only
     skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        if self.parallel.dp_attention:
+            raise ConfigError("dp_attention is a layout `shardserve plan` prices; the engine does not run it")
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ INDEX_FILE = "model.safetensors.index.json"
 _NON_WEIGHT_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def read_hf_config(folder: Path) -> ModelConfig:
-    """ModelConfig from `folder/config.json`; ConfigError if it is missing, not JSON or unsupported."""
+def read_hf_config(folder: Path, shapes_only: bool = False) -> ModelConfig:
+    """ModelConfig from `folder/config.json`; ConfigError if it is missing, not JSON or unsupported
+    (`shapes_only`: see ModelConfig.from_hf_config)."""
     config_path = Path(folder) / "config.json"
     try:
         hf = json.loads(config_path.read_text())
@@ -43,7 +44,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{config_path}: cannot read config ({e})") from None
     try:
-        return ModelConfig.from_hf_config(hf)
+        return ModelConfig.from_hf_config(hf, shapes_only)
     except KeyError as e:
         raise ConfigError(f"{config_path}: missing field {e.args[0]!r}") from None
     except ConfigError as e:

@@ -5,7 +5,8 @@
     shardserve plan --model mixtral-8x7b --hardware H100 --qps 5 --what-if mem_bw=2x,flops=1.5x
     shardserve plan --fleet fleet.yaml                  # several models onto a device pool (MILP)
 
-Prints a ranked table; exits 1 when no deployment meets the SLO (or the pool is too small), 2 on
+Prints a ranked table (and, for Poisson traffic, the cheapest disaggregated prefill + decode
+pools against it: planner/disaggregation.py); exits 1 when no deployment meets the SLO (or the pool is too small), 2 on
 bad input (one line). Predictions are the analytic cost model's means, "uncalibrated" unless
 `--calibration FILE` (the profiler's efficiency factors) covers the device; docs/planning.md.
 """
@@ -23,7 +24,8 @@ def add_plan_parser(subparsers) -> None:
     """Register the `plan` subcommand on an argparse subparsers object (func=run_plan_command)."""
     p = subparsers.add_parser("plan", help="plan deployments: parallel layout x replicas x hardware, by cost")
     p.add_argument("--model", default=None,
-                   help="preset (llama-3.1-8b, llama-3.1-70b, mixtral-8x7b, qwen3-30b-a3b), HF folder or .gguf")
+                   help="preset (e.g. llama-3.1-70b, deepseek-v3, qwen3-235b-a22b; `shardserve plan --model x` "
+                        "lists them), HF folder or .gguf")
     p.add_argument("--hardware", default=None, help="comma list of catalog devices, e.g. H100,H200,MI300X "
                                                     "(or a profiled host named in --calibration, e.g. 'this host')")
     p.add_argument("--isl", type=int, default=1024, help="mean prompt length in tokens")
@@ -31,7 +33,11 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--qps", type=float, default=None, help="arrival rate to serve, requests/s (Poisson)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="instead of --qps: clients per replica in a closed loop, as serving benchmarks run")
-    p.add_argument("--slo", default=_DEFAULT_SLO, help=f"mean latency targets (default {_DEFAULT_SLO}; also e2e_ms)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrivals (as `shardserve bench --burstiness`): 1 Poisson, <1 burstier")
+    p.add_argument("--slo", default=_DEFAULT_SLO, help=f"latency targets (default {_DEFAULT_SLO}; also e2e_ms)")
+    p.add_argument("--slo-percentile", default="mean", choices=["mean", "p99"],
+                   help="what the SLO bounds: the predicted means, or the p99 estimates")
     p.add_argument("--dtype", default="bfloat16", choices=ALL_DTYPES,
                    help="weights and KV cache dtype")
     p.add_argument("--what-if", default=None, help="plan on modified devices, e.g. mem_bw=2x,flops=1.5x,memory=1.5x,"
@@ -101,14 +107,16 @@ def run_plan_command(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     space = SearchSpace(max_nodes_per_replica=args.max_nodes_per_replica, max_total_gpus=args.max_gpus,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens, slo_at_p99=args.slo_percentile == "p99")
     if args.fleet:
         return _run_fleet(args, space)
     if args.model is None or (args.qps is None) == (args.concurrency is None):
         raise ConfigError("plan needs --model and one of --qps and --concurrency (or --fleet FILE)")
     slo = parse_slo(args.slo)
-    workload = Workload(args.isl, args.osl, args.qps, args.concurrency)
+    workload = Workload(args.isl, args.osl, args.qps, args.concurrency, args.burstiness)
     traffic = f"{args.qps:g} req/s" if args.qps is not None else f"{args.concurrency} clients per replica (closed loop)"
+    if args.burstiness != 1:
+        traffic += f", gamma arrivals (burstiness {args.burstiness:g})"
     devices = _devices(_split_names(args.hardware, "--hardware"), args.what_if, args.calibration, args.dtype)
     model = resolve_model(args.model)
     start = time.perf_counter()
@@ -116,9 +124,14 @@ def run_plan_command(args: argparse.Namespace) -> int:
     elapsed_s = time.perf_counter() - start
     kind = f"MoE {model.num_experts} experts top-{model.num_experts_per_token}" if model.is_moe else "dense"
     print(f"plan: {args.model} ({model.num_params / 1e9:.1f}B params, {kind}), {args.dtype}; "
-          f"isl {args.isl}, osl {args.osl}, {traffic}; SLO {args.slo} (means)")
+          f"isl {args.isl}, osl {args.osl}, {traffic}; SLO {args.slo} ({args.slo_percentile}s)")
     print(_efficiency_line(devices))
     print(format_plan(plan, args.top, elapsed_s))
+    if workload.qps is not None:  # separate prefill and decode pools, against the best co-located row
+        from shardserve.planner.disaggregation import compare, plan_disaggregated
+
+        disaggregated = plan_disaggregated(model, devices, workload, slo, args.dtype, space)
+        print(compare(disaggregated, plan.best))
     if args.what_if:
         print(_what_if_line(args, model, workload, slo, space, plan))
     _write_outputs(args, plan, model, devices, elapsed_s)

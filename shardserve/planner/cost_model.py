@@ -22,7 +22,9 @@ and a step of m micro-batches through pp stages takes the classic pipeline time
 m = num_micro_batches, default pp, at most one per sequence; m = 1 without pipeline).
 Communication per layer: tp all-reduce of [T, h] after attention and after a dense or ep = 1 MoE
 MLP; with ep > 1 a dispatch and a combine all-to-all of each rank's T/ep * k rows and an
-all-gather of [T, h] over the stage (plus the shared expert's all-reduce). The embedding
+all-gather of [T, h] over the stage (plus the shared expert's all-reduce). With dp_attention the
+g = ep / tp attention groups each take 1/g of the batch (its tokens, KV reads, LM-head rows and
+all-reduces) and the all-gather goes: each group keeps its own tokens. The embedding
 all-reduces over tp, the LM head all-gathers the logits, stages hand [T, h] on point-to-point.
 A group that spans more devices than a node has uses the NIC. Norms, rotary, activations and
 sampling are left to the host overhead, `step_overhead_s + seq_overhead_s * N + token_overhead_s * T`
@@ -116,6 +118,20 @@ def num_attended_pairs(num_tokens: int, context_len: int) -> int:
     return num_tokens * (context_len - num_tokens) + num_tokens * (num_tokens + 1) // 2
 
 
+def attention_flops_per_pair(model: ModelConfig, decode: bool = False) -> int:
+    """FLOPs of one (query, key) pair in one layer over all heads: 2 per multiply-add of QK^T
+    over the key width and of PV over the value width. Per-head K and V: 4 heads d. MLA prefill
+    up-projects the latents to per-head keys and values: 2 heads (nope + rope + v). MLA decode
+    absorbs the up-projections into the query and the output (as every MLA engine does), so a
+    pair costs the latent: 2 heads ((kv_lora + rope) + kv_lora)."""
+    heads, m = model.num_heads, model.mla
+    if m is None:
+        return 4 * heads * model.head_dim
+    if decode:
+        return 2 * heads * (m.latent_width + m.kv_lora_rank)
+    return 2 * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+
+
 def layer_flops(model: ModelConfig, num_tokens: int, context_len: int, layer_id: int = 0) -> LayerFlops:
     """FLOPs (2 per multiply-add) of layer `layer_id` for `num_tokens` new tokens at `context_len`:
 
@@ -123,11 +139,12 @@ def layer_flops(model: ModelConfig, num_tokens: int, context_len: int, layer_id:
         mlp   = 2 T 3 h I                            (dense layer)
               = 2 T (k 3 h I_e + 3 h I_s + h)        (MoE layer; shared expert and gate if any)
         router = 2 T h E                             (MoE layer)
-        attn  = 4 heads d * num_attended_pairs(T, C) (QK^T and PV; = 4 T C heads d for decode)
+        attn  = attention_flops_per_pair * num_attended_pairs(T, C) (QK^T and PV; 4 T C heads d
+                for a decode with per-head K and V)
     """
     t = num_tokens
     qkv, o = 2 * t * qkv_params(model), 2 * t * o_params(model)
-    attention = 4 * model.num_heads * model.head_dim * num_attended_pairs(num_tokens, context_len)
+    attention = attention_flops_per_pair(model, decode=t == 1) * num_attended_pairs(num_tokens, context_len)
     if not model.is_moe_layer(layer_id):
         return LayerFlops(qkv, o, 2 * t * dense_mlp_params(model), 0, attention)
     active = model.num_experts_per_token * expert_params(model) + shared_expert_params_per_rank(model, 1)
@@ -259,7 +276,8 @@ def _group_link(dep: Deployment, group_size: int) -> tuple[float, float]:
 def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> float:
     model, par = dep.model, dep.parallel
     tp, ep, h, b = par.tp_size, par.ep_size, model.hidden_size, dep.activation_bytes
-    act_bytes = load.num_tokens * h * b
+    local = load.split(par.attention_groups)  # what one attention group holds
+    act_bytes = local.num_tokens * h * b
     tp_allreduce = ring_allreduce_time_s(act_bytes, tp, *_group_link(dep, tp)) if tp > 1 else 0.0
     # per layer: after attention; after a dense MLP; after an ep = 1 MoE MLP (and its shared expert)
     total = stage.num_layers * tp_allreduce + stage.num_dense_layers * tp_allreduce
@@ -270,12 +288,14 @@ def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoa
         else:
             link = _group_link(dep, par.stage_size)
             routed_bytes = load.num_tokens / ep * model.num_experts_per_token * h * b  # one rank's rows
-            moe += 2 * all_to_all_time_s(routed_bytes, ep, *link) + all_gather_time_s(act_bytes, ep, *link)
+            moe += 2 * all_to_all_time_s(routed_bytes, ep, *link)
+            if par.attention_groups == 1:  # repeated attention needs every token back on every rank
+                moe += all_gather_time_s(act_bytes, ep, *link)
         total += stage.num_moe_layers * moe
     if stage.is_first:  # vocab-parallel embedding: zero outside the shard, then all-reduce
         total += tp_allreduce
     if stage.is_last and tp > 1:  # the LM head's [N, V/tp] logits gathered to [N, V]
-        total += all_gather_time_s(load.num_seqs * model.vocab_size * b, tp, *_group_link(dep, tp))
+        total += all_gather_time_s(local.num_seqs * model.vocab_size * b, tp, *_group_link(dep, tp))
     if not stage.is_last:  # residual stream to the next stage's rank at the same position
         last_rank, next_rank = (index + 1) * par.stage_size - 1, (index + 1) * par.stage_size
         per_node = dep.hardware.devices_per_node
@@ -298,9 +318,10 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWo
     model, par = dep.model, dep.parallel
     tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
     tokens = load.num_tokens
+    local = load.split(par.attention_groups)  # attention and dense MLPs see one group's sequences
     # Params every token multiplies by, and params read from memory, on this rank.
     token_params = stage.num_layers * attention_params(model, tp) + stage.num_dense_layers * dense_mlp_params(model, tp)
-    gemm_flops, read_params = 2 * tokens * token_params, float(token_params)
+    gemm_flops, read_params = 2 * local.num_tokens * token_params, float(token_params)
     if stage.num_moe_layers:
         shared = shared_expert_params_per_rank(model, tp)
         # ep = 1: every rank routes all tokens through tp slices; ep > 1: each routes its 1/ep chunk
@@ -309,18 +330,20 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWo
         row_params = expert_params(model) / (tp if ep == 1 else 1)
         router_tokens = tokens / ep
         router = router_params(model)
-        per_layer_flops = 2 * (tokens * shared + router_tokens * router + routed_rows * row_params)
+        per_layer_flops = 2 * (local.num_tokens * shared + router_tokens * router + routed_rows * row_params)
         resident = routed_expert_params_per_rank(model, par) * fraction_of_experts_hit(model, tokens)
         gemm_flops += stage.num_moe_layers * per_layer_flops
         read_params += stage.num_moe_layers * (shared + router + resident)
     if stage.is_last:  # LM head on one row per sequence
         head_params = math.ceil(model.vocab_size / tp) * h
-        gemm_flops += 2 * load.num_seqs * head_params
+        gemm_flops += 2 * local.num_seqs * head_params
         read_params += head_params
-    attn_flops_per_pair = stage.num_layers * 4 * (model.num_heads / tp) * model.head_dim
+    prefill_pair_flops = stage.num_layers * attention_flops_per_pair(model) / tp
+    decode_attention_flops = stage.num_layers * attention_flops_per_pair(model, decode=True) / tp * local.num_decode_pairs
+    attention_flops = prefill_pair_flops * (local.num_pairs - local.num_decode_pairs) + decode_attention_flops
     kv_token_bytes = stage_kv_bytes_per_token(model, tp, stage, dep.kv_bytes)
-    return _StageWork(gemm_flops, read_params * dep.dtype_bytes, attn_flops_per_pair * load.num_pairs,
-                      load.num_context_tokens * kv_token_bytes, attn_flops_per_pair * load.num_decode_pairs)
+    return _StageWork(gemm_flops, read_params * dep.dtype_bytes, attention_flops,
+                      local.num_context_tokens * kv_token_bytes, decode_attention_flops)
 
 
 def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> _StageParts:

@@ -16,7 +16,7 @@ to depend on what else runs in the pool (no shared links between replicas).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +27,8 @@ from shardserve.planner.cost_model import Deployment
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit
-from shardserve.planner.replica_model import ReplicaModel, Workload
-from shardserve.planner.search import SearchSpace, candidate_layouts, check_context_fits
+from shardserve.planner.replica_model import ReplicaModel, ReplicaPrediction, Workload
+from shardserve.planner.search import SearchSpace, candidate_layouts, check_context_fits, layout_label
 
 
 @dataclass(frozen=True)
@@ -58,17 +58,27 @@ class FleetOption:
     gpus_per_replica: int
     capacity_qps: float
     price_per_replica_hour: float
+    replica: ReplicaModel | None = field(default=None, compare=False, repr=False)  # for its latency
 
 
 @dataclass(frozen=True)
 class FleetAssignment:
+    """`replicas` of one option, taking `qps` of its demand's traffic: the demand's rate split
+    over its assignments in proportion to the capacity each brings."""
+
     demand: str
     option: FleetOption
     replicas: int
+    qps: float = math.nan
 
     @property
     def gpus(self) -> int:
         return self.replicas * self.option.gpus_per_replica
+
+    def prediction(self) -> ReplicaPrediction | None:
+        """One replica's latency at its share of the traffic (None without a replica model)."""
+        replica = self.option.replica
+        return None if replica is None else replica.predict(self.qps / self.replicas)
 
 
 @dataclass(frozen=True)
@@ -108,14 +118,15 @@ def fleet_options(demands: list[FleetDemand], pool: list[PoolDevice], dtype: str
                     kv_seqs = max_num_seqs_that_fit(kv_tokens, wl.input_len + wl.output_len, space.block_size)
                     if kv_seqs < 1:
                         continue
-                    replica = ReplicaModel(dep, wl.input_len, wl.output_len, kv_seqs, space.max_num_batched_tokens)
-                    capacity = replica.capacity_qps(demand.slo)
+                    replica = ReplicaModel(dep, wl.input_len, wl.output_len, kv_seqs, space.max_num_batched_tokens,
+                                           wl.arrival_cv2)
+                    capacity = replica.capacity_qps(demand.slo, tail=space.slo_at_p99)
                 except ConfigError:
                     continue
                 if capacity > 0:
                     found.append(FleetOption(
-                        index, device.hardware.name, f"tp{par.tp_size} pp{par.pp_size} ep{par.ep_size}",
-                        par.world_size, capacity, par.world_size * device.hardware.price_per_hour_usd))
+                        index, device.hardware.name, layout_label(par),
+                        par.world_size, capacity, par.world_size * device.hardware.price_per_hour_usd, replica))
             options.extend(_without_dominated(found))
     return options
 
@@ -161,7 +172,13 @@ def plan_fleet(demands: list[FleetDemand], pool: list[PoolDevice], dtype: str = 
     if solved is None:
         return FleetPlan(False, "the pool is too small for the forecast traffic under these SLOs")
     counts, message = solved
-    assignments = tuple(FleetAssignment(demands[o.demand_index].name, o, n) for o, n in zip(options, counts) if n)
+    brought = {}  # capacity each demand's assignments bring, to split its traffic by
+    for o, n in zip(options, counts):
+        brought[o.demand_index] = brought.get(o.demand_index, 0.0) + n * o.capacity_qps
+    assignments = tuple(
+        FleetAssignment(demands[o.demand_index].name, o, n,
+                        demands[o.demand_index].workload.qps * n * o.capacity_qps / brought[o.demand_index])
+        for o, n in zip(options, counts) if n)
     used = {name: 0 for name in names}
     for a in assignments:
         used[a.option.hardware] += a.gpus

@@ -39,14 +39,16 @@ def max_batch_tokens(model: ModelConfig, par: ParallelConfig, hw: Hardware, dtyp
     """KV-cache tokens a replica can hold: the least, over stages, of
     floor((memory * mem_fraction - stage weight bytes) / stage KV bytes per token), at least 0.
     `mem_fraction` leaves room for activations, the CUDA context and fragmentation; `kv_bytes`
-    per KV element (default: the weights' `dtype_bytes`; fp4 weights keep an fp8 cache)."""
+    per KV element (default: the weights' `dtype_bytes`; fp4 weights keep an fp8 cache). Under
+    dp_attention each attention group holds its own sequences' KV: the replica holds that many
+    times more."""
     par.validate(model)
     kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
     tokens = []
     for stage in stage_plans(model, par):
         free_bytes = hw.memory_bytes * mem_fraction - stage_params_per_rank(model, par, stage) * dtype_bytes
         tokens.append(max(0, int(free_bytes // stage_kv_bytes_per_token(model, par.tp_size, stage, kv_bytes))))
-    return min(tokens)
+    return min(tokens) * par.attention_groups
 
 
 def max_num_seqs_that_fit(num_kv_tokens: int, seq_len: int, block_size: int = 16) -> int:

@@ -10,8 +10,8 @@ from pathlib import Path
 from shardserve.planner.fleet import FleetPlan
 from shardserve.planner.search import Plan, PlanRow
 
-_COLUMNS = ("#", "hardware", "layout", "replicas", "GPUs", "max batch", "TTFT ms", "TPOT ms", "$/1M tok",
-            "fits", "SLO", "note")
+_COLUMNS = ("#", "hardware", "layout", "replicas", "GPUs", "max batch", "TTFT ms", "p99", "TPOT ms", "p99",
+            "$/1M tok", "fits", "SLO", "note")
 
 
 def _number(value: float, digits: int = 1) -> str:
@@ -22,7 +22,8 @@ def _cells(rank: int, row: PlanRow) -> tuple[str, ...]:
     fitted = row.fits
     return (str(rank), row.hardware, row.layout, str(row.replicas) if fitted else "-",
             str(row.total_gpus) if fitted else "-", str(row.max_num_seqs) if fitted else "-",
-            _number(row.ttft_ms), _number(row.tpot_ms), _number(row.cost_per_million_tokens, 2),
+            _number(row.ttft_ms), _number(row.ttft_p99_ms), _number(row.tpot_ms), _number(row.tpot_p99_ms),
+            _number(row.cost_per_million_tokens, 2),
             "yes" if row.fits else "no", "yes" if row.meets_slo else "no",
             row.note + ("-bound" if row.note in ("memory", "compute", "network", "overhead") else ""))
 
@@ -109,11 +110,14 @@ def format_fleet(plan: FleetPlan) -> str:
     """The allocation table, the hourly cost and the devices used, or why there is none."""
     if not plan.feasible:
         return f"no allocation: {plan.message}"
-    header = ("model", "hardware", "layout", "replicas", "GPUs", "req/s per replica", "$/h")
-    lines = [header] + [
-        (a.demand, a.option.hardware, a.option.layout, str(a.replicas), str(a.gpus),
-         _number(a.option.capacity_qps, 2), _number(a.replicas * a.option.price_per_replica_hour, 2))
-        for a in plan.assignments]
+    header = ("model", "hardware", "layout", "replicas", "GPUs", "req/s per replica", "TTFT ms", "TPOT ms", "$/h")
+    lines = [header]
+    for a in plan.assignments:
+        pred = a.prediction()  # latency at the traffic it is given, not at its capacity
+        ttft, tpot = (pred.ttft_s * 1e3, pred.tpot_s * 1e3) if pred is not None else (math.nan, math.nan)
+        lines.append((a.demand, a.option.hardware, a.option.layout, str(a.replicas), str(a.gpus),
+                      _number(a.option.capacity_qps, 2), _number(ttft), _number(tpot),
+                      _number(a.replicas * a.option.price_per_replica_hour, 2)))
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
     table = "\n".join("  ".join(cell.ljust(w) if c < 3 else cell.rjust(w)
                                 for c, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines)

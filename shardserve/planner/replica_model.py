@@ -1,5 +1,5 @@
-"""Steady-state latency of one replica under Poisson traffic: the cost model's step times turned
-into mean TTFT, TPOT and batch size at an arrival rate.
+"""Steady-state latency of one replica: the cost model's step times turned into TTFT, TPOT and
+batch size (means, and p99 estimates) at an arrival rate (Poisson or gamma) or a closed loop.
 
 With arrival rate lam per replica, prompt length I, output length O (O - 1 decode steps after
 the first token), mean decode context I + O / 2, and t_p = the time per prompt of a prefill step:
@@ -7,9 +7,18 @@ the first token), mean decode context I + O / 2, and t_p = the time per prompt o
     rho   = lam * t_p                          share of time spent prefilling (must be < 1)
     TPOT  = t_decode(n) / (1 - rho)            prefill chunks steal steps from decoding
     n     = lam * (O - 1) * TPOT               Little's law: sequences decoding at once
-    TTFT  = rho t_p / (2 (1 - rho))            M/D/1 wait for the prefills ahead (Pollaczek-Khinchine)
+    TTFT  = c2 rho t_p / (2 (1 - rho))         wait for the prefills ahead: M/D/1 (Pollaczek-
+                                               Khinchine) for Poisson arrivals, c2 = 1; Kingman's
+                                               G/D/1 for gamma arrivals of shape b, c2 = 1 / b
           + (1 - e^-n) t_decode(n) / 2         the step in flight when it arrives (if any)
           + prefill of I in chunks of (budget - n) tokens, each step shared with the n decodes
+
+Tails (p99) come from two standard approximations, not from a distribution: the wait for the
+prefills ahead is exponential beyond an atom at zero, P(W > t) = rho e^(-rho t / W) (exact in
+the mean; the M/G/1 heavy-traffic form), so W_99 = (W / rho) ln(rho / 0.01); the step in flight
+counts whole. A request's TPOT is t_decode plus the prompts that arrive during its decode, each
+stealing t_p: a Poisson count of mean m = lam (O - 1) TPOT (variance c2 m), so TPOT_99 =
+t_decode + t_p (m + 2.33 sqrt(c2 m)) / (O - 1). The decode batch's own spread is left out.
 
 Prompts that wait together are prefilled together, as a chunked-prefill engine packs them under
 its token budget B: a step takes k of them (k <= B // I), sharing one weight read and one step's
@@ -27,8 +36,7 @@ after j of them (mean TTFT = t_k (m + 1) / 2), then the C sequences decode toget
 n is the smallest fixed point of the second and third lines, found by iterating from n = 0.
 The replica is overloaded when rho >= 1, or n exceeds what one step can carry: the sequences
 whose KV fits, and the step's token budget (each decode is one token of it; a prefill chunk
-needs at least one more). All figures
-are means: tail percentiles (p90, p99) are higher, more so near saturation.
+needs at least one more).
 """
 from __future__ import annotations
 
@@ -45,12 +53,20 @@ _MAX_ITERATIONS = 200
 @dataclass(frozen=True)
 class Workload:
     """The traffic to serve: mean prompt and output lengths in tokens, and either a total arrival
-    rate (Poisson) or a number of clients per replica in a closed loop (as benchmarks run)."""
+    rate or a number of clients per replica in a closed loop (as benchmarks run). Arrivals are
+    gamma-distributed with shape `burstiness` (`shardserve bench --burstiness`, vLLM's): 1 is
+    Poisson, below 1 burstier."""
 
     input_len: int
     output_len: int
     qps: float | None = None
     concurrency: int | None = None
+    burstiness: float = 1.0
+
+    @property
+    def arrival_cv2(self) -> float:
+        """Squared coefficient of variation of the gaps between arrivals (gamma: 1 / shape)."""
+        return 1.0 / self.burstiness
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
@@ -61,6 +77,8 @@ class Workload:
             raise ConfigError(f"qps must be a positive number, got {self.qps}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ConfigError(f"concurrency must be at least 1, got {self.concurrency}")
+        if not 0 < self.burstiness < math.inf:
+            raise ConfigError(f"burstiness must be a positive number, got {self.burstiness}")
 
 
 @dataclass(frozen=True)
@@ -75,14 +93,25 @@ class ReplicaPrediction:
     tpot_s: float
     e2e_s: float
     decode_bottleneck: str
+    ttft_p99_s: float = math.nan
+    tpot_p99_s: float = math.nan
 
-    def meets(self, slo: SLO | None) -> bool:
-        """Stable and within every target of `slo` (None: stability alone)."""
+    @property
+    def e2e_p99_s(self) -> float:
+        """A bound more than an estimate: both tails at once."""
+        return self.ttft_p99_s + (self.e2e_s - self.ttft_s) * (self.tpot_p99_s / self.tpot_s if self.tpot_s else 1.0)
+
+    def meets(self, slo: SLO | None, tail: bool = False) -> bool:
+        """Stable and within every target of `slo` (None: stability alone); `tail`: the p99s
+        must meet the targets, not the means."""
         if not self.stable:
             return False
         if slo is None:
             return True
-        checks = ((slo.ttft_ms, self.ttft_s), (slo.tpot_ms, self.tpot_s), (slo.e2e_ms, self.e2e_s))
+        if tail:
+            checks = ((slo.ttft_ms, self.ttft_p99_s), (slo.tpot_ms, self.tpot_p99_s), (slo.e2e_ms, self.e2e_p99_s))
+        else:
+            checks = ((slo.ttft_ms, self.ttft_s), (slo.tpot_ms, self.tpot_s), (slo.e2e_ms, self.e2e_s))
         return all(target is None or value * 1e3 <= target for target, value in checks)
 
 
@@ -96,6 +125,7 @@ class ReplicaModel:
     output_len: int
     max_num_seqs: int
     max_num_batched_tokens: int = 2048
+    arrival_cv2: float = 1.0  # Workload.arrival_cv2: 1 for Poisson arrivals
     prefill_s: float = field(init=False)  # one prompt alone, in budget-sized chunks
 
     def __post_init__(self) -> None:
@@ -142,7 +172,8 @@ class ReplicaModel:
         return k, prefill_time(self.deployment, self.input_len, k).total_s
 
     def _unstable(self, arrival_qps: float, rho: float, n: float) -> ReplicaPrediction:
-        return ReplicaPrediction(arrival_qps, False, n, rho, math.inf, math.inf, math.inf, "overload")
+        return ReplicaPrediction(arrival_qps, False, n, rho, math.inf, math.inf, math.inf, "overload",
+                                 math.inf, math.inf)
 
     def predict(self, arrival_qps: float) -> ReplicaPrediction:
         """Mean TTFT, TPOT, E2E and batch at `arrival_qps` requests/s (see the module docstring)."""
@@ -167,11 +198,16 @@ class ReplicaModel:
         step = decode_step_time(self.deployment, n, self._decode_context_len)
         tpot_s = step.total_s / (1 - rho)
         ahead_s = self.prefill_s if packed == 1 else packed_step_s  # a prefill step ahead of it
-        wait_s = rho * ahead_s / (2 * (1 - rho)) + (1 - math.exp(-n)) * step.total_s / 2
-        ttft_s = wait_s + (self._prefill_s(n) if packed == 1 else packed_step_s)
+        queue_s = self.arrival_cv2 * rho * ahead_s / (2 * (1 - rho))
+        own_prefill_s = self._prefill_s(n) if packed == 1 else packed_step_s
+        ttft_s = queue_s + (1 - math.exp(-n)) * step.total_s / 2 + own_prefill_s
         e2e_s = ttft_s + num_decode_steps * tpot_s
+        ttft_p99_s = _exponential_tail(queue_s, rho, 0.99) + (step.total_s if n > 0 else 0.0) + own_prefill_s
+        prompts_meanwhile = arrival_qps * num_decode_steps * tpot_s
+        stolen_s = (ahead_s / packed) * (prompts_meanwhile + 2.33 * math.sqrt(self.arrival_cv2 * prompts_meanwhile))
+        tpot_p99_s = step.total_s + stolen_s / num_decode_steps if num_decode_steps else 0.0
         return ReplicaPrediction(arrival_qps, True, n, rho, ttft_s, tpot_s if num_decode_steps else 0.0, e2e_s,
-                                 step.bottleneck)
+                                 step.bottleneck, ttft_p99_s, tpot_p99_s)
 
     def predict_closed_loop(self, concurrency: int) -> ReplicaPrediction:
         """Mean TTFT, TPOT and E2E with `concurrency` clients in a closed loop, and the request
@@ -185,30 +221,49 @@ class ReplicaModel:
         prefill_step_s = (prefill_time(self.deployment, self.input_len, per_step).total_s
                           if self.input_len <= self.max_num_batched_tokens else self.prefill_s)
         ttft_s = prefill_step_s * (num_prefill_steps + 1) / 2
+        ttft_p99_s = prefill_step_s * num_prefill_steps  # the wave's last group
         num_decode_steps = self.output_len - 1
         step = decode_step_time(self.deployment, running, self._decode_context_len)
         tpot_s = step.total_s if num_decode_steps else 0.0
         period_s = num_prefill_steps * prefill_step_s + num_decode_steps * tpot_s
         waves_waited = math.ceil(concurrency / running) - 1  # clients without a slot sit out whole waves
         ttft_s += waves_waited * period_s
+        ttft_p99_s += waves_waited * period_s
         rate = running / period_s
         return ReplicaPrediction(rate, True, running, rate * prefill_step_s * num_prefill_steps / running, ttft_s,
-                                 tpot_s, ttft_s + num_decode_steps * tpot_s, step.bottleneck)
+                                 tpot_s, ttft_s + num_decode_steps * tpot_s, step.bottleneck, ttft_p99_s, tpot_s)
 
-    def capacity_qps(self, slo: SLO | None, rel_tol: float = 1e-3) -> float:
-        """The highest arrival rate at which the replica is stable and meets `slo` (None:
-        stability alone), to `rel_tol`; 0 when not even a trickle of traffic meets it.
-        Bisects in log space below the prefill saturation rate (prompts packed as tightly as the
-        token budget allows)."""
+    def prefill_saturation_qps(self) -> float:
+        """The arrival rate at which prefill alone fills every step (prompts packed as tightly as
+        the token budget allows): no rate above it is stable."""
         k_max = max(1, self.max_num_batched_tokens // self.input_len)
-        hi = k_max / prefill_time(self.deployment, self.input_len, k_max).total_s if k_max > 1 else 1 / self.prefill_s
-        lo = hi * 1e-6
-        if not self.predict(lo).meets(slo):
-            return 0.0
-        while hi / lo > 1 + rel_tol:
-            mid = math.sqrt(lo * hi)
-            if self.predict(mid).meets(slo):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return k_max / prefill_time(self.deployment, self.input_len, k_max).total_s if k_max > 1 else 1 / self.prefill_s
+
+    def capacity_qps(self, slo: SLO | None, rel_tol: float = 1e-3, tail: bool = False) -> float:
+        """The highest arrival rate at which the replica is stable and meets `slo` (None:
+        stability alone; `tail`: at p99), to `rel_tol`; 0 when not even a trickle meets it."""
+        return highest_rate(lambda rate: self.predict(rate).meets(slo, tail), self.prefill_saturation_qps(), rel_tol)
+
+
+def _exponential_tail(mean_wait_s: float, rho: float, q: float) -> float:
+    """The q-quantile of a wait that is 0 with probability 1 - rho and exponential beyond, of
+    mean `mean_wait_s` overall: P(W > t) = rho exp(-rho t / mean)."""
+    if mean_wait_s <= 0 or rho <= 1 - q:
+        return 0.0
+    return mean_wait_s / rho * math.log(rho / (1 - q))
+
+
+def highest_rate(meets, hi: float, rel_tol: float = 1e-3) -> float:
+    """The highest rate below `hi` at which `meets(rate)` holds, bisecting in log space to
+    `rel_tol` (meets must be monotone: true up to some rate, false above); 0 when not even
+    hi * 1e-6 meets it."""
+    lo = hi * 1e-6
+    if not meets(lo):
+        return 0.0
+    while hi / lo > 1 + rel_tol:
+        mid = math.sqrt(lo * hi)
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -32,13 +32,20 @@ RANK_BY = ("cost", "gpus")
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Bounds of the search and the engine settings the predictions assume."""
+    """Bounds of the search, the engine settings the predictions assume, and whether the SLO
+    bounds the means or the p99s."""
 
     max_nodes_per_replica: int = 2
     max_total_gpus: int | None = None  # the deployment's budget; None: unbounded
     max_num_batched_tokens: int = 2048  # the engine's per-step token budget (SchedulerConfig)
     mem_fraction: float = 0.9  # of device memory for weights + KV; the rest: activations, context
     block_size: int = 16
+    slo_at_p99: bool = False
+
+
+def layout_label(par: ParallelConfig) -> str:
+    """How plans name a layout: "tp2 pp1 ep8", "tp1 pp1 ep8 dp-attn"."""
+    return f"tp{par.tp_size} pp{par.pp_size} ep{par.ep_size}" + (" dp-attn" if par.dp_attention else "")
 
 
 @dataclass(frozen=True)
@@ -58,12 +65,16 @@ class PlanRow:
     ttft_ms: float
     tpot_ms: float
     e2e_ms: float
+    ttft_p99_ms: float
+    tpot_p99_ms: float
     cost_per_hour_usd: float
     cost_per_million_tokens: float  # output tokens, at the planned traffic
     fits: bool
     meets_slo: bool
     note: str  # why infeasible, or the decode bottleneck
     efficiency: str  # "uncalibrated" or where the factors came from
+    dp_attention: bool = False
+    prefill_share: float = math.nan  # of the replica's time spent on prompts (Poisson traffic)
 
     @property
     def total_gpus(self) -> int:
@@ -75,7 +86,7 @@ class PlanRow:
 
     @property
     def layout(self) -> str:
-        return f"tp{self.tp} pp{self.pp} ep{self.ep}"
+        return layout_label(ParallelConfig(self.tp, self.pp, self.ep, dp_attention=self.dp_attention))
 
 
 @dataclass(frozen=True)
@@ -95,21 +106,23 @@ class Plan:
 
 def candidate_layouts(model: ModelConfig, hw: Hardware, max_nodes_per_replica: int) -> list[ParallelConfig]:
     """Every (tp, pp, ep) in powers of two with world size <= devices per node * nodes that the
-    engine's ParallelConfig.validate accepts (ep > 1 only for MoE models)."""
+    engine's ParallelConfig.validate accepts (ep > 1 only for MoE models), and each ep > tp one
+    also with data-parallel attention."""
     max_world = hw.devices_per_node * max_nodes_per_replica
     powers = [2**i for i in range(max_world.bit_length()) if 2**i <= max_world]
     layouts = []
     for tp in powers:
         for pp in powers:
             for ep in powers if model.is_moe else [1]:
-                par = ParallelConfig(tp_size=tp, pp_size=pp, ep_size=ep)
-                if par.world_size > max_world:
-                    continue
-                try:
-                    par.validate(model)
-                except ConfigError:
-                    continue
-                layouts.append(par)
+                for dp_attention in (False, True) if ep > tp else (False,):
+                    par = ParallelConfig(tp_size=tp, pp_size=pp, ep_size=ep, dp_attention=dp_attention)
+                    if par.world_size > max_world:
+                        continue
+                    try:
+                        par.validate(model)
+                    except ConfigError:
+                        continue
+                    layouts.append(par)
     return layouts
 
 
@@ -125,11 +138,12 @@ def _row(dep: Deployment, workload: Workload, replicas: int, pred: ReplicaPredic
     par, hw = dep.parallel, dep.hardware
     cost_per_hour = replicas * par.world_size * hw.price_per_hour_usd
     if pred is None:
-        ttft_ms = tpot_ms = e2e_ms = batch = math.nan
+        ttft_ms = tpot_ms = e2e_ms = ttft_p99_ms = tpot_p99_ms = batch = prefill_share = math.nan
         cost_per_m, max_seqs = math.inf, 0
     else:
         ttft_ms, tpot_ms, e2e_ms = pred.ttft_s * 1e3, pred.tpot_s * 1e3, pred.e2e_s * 1e3
-        batch = pred.num_running_seqs
+        ttft_p99_ms, tpot_p99_ms = pred.ttft_p99_s * 1e3, pred.tpot_p99_s * 1e3
+        batch, prefill_share = pred.num_running_seqs, pred.prefill_utilization
         served_qps = pred.arrival_qps * replicas  # the workload's rate, or what a closed loop reaches
         cost_per_m = cost_per_hour / (served_qps * workload.output_len * 3600) * 1e6
         max_seqs = (_recommended_max_num_seqs(batch, kv_capacity_seqs, step_budget) if pred.stable
@@ -137,16 +151,17 @@ def _row(dep: Deployment, workload: Workload, replicas: int, pred: ReplicaPredic
     return PlanRow(
         hardware=hw.name, tp=par.tp_size, pp=par.pp_size, ep=par.ep_size, gpus_per_replica=par.world_size,
         replicas=replicas, max_num_seqs=max_seqs, kv_capacity_seqs=kv_capacity_seqs, mean_batch=batch,
-        ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms, cost_per_hour_usd=cost_per_hour,
+        ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2e_ms=e2e_ms, ttft_p99_ms=ttft_p99_ms, tpot_p99_ms=tpot_p99_ms,
+        cost_per_hour_usd=cost_per_hour,
         cost_per_million_tokens=cost_per_m, fits=pred is not None, meets_slo=meets_slo, note=note,
-        efficiency=dep.efficiency.label,
+        efficiency=dep.efficiency.label, dp_attention=par.dp_attention, prefill_share=prefill_share,
     )
 
 
-def _fewest_replicas(replica: ReplicaModel, qps: float, slo: SLO | None, capacity_qps: float) -> int:
+def _fewest_replicas(replica: ReplicaModel, qps: float, slo: SLO | None, capacity_qps: float, tail: bool) -> int:
     replicas = max(1, math.ceil(qps / capacity_qps))
     # the capacity is a bisection estimate: step up past its tolerance if needed
-    while not replica.predict(qps / replicas).meets(slo) and replicas < 2 * math.ceil(qps / capacity_qps) + 2:
+    while not replica.predict(qps / replicas).meets(slo, tail) and replicas < 2 * math.ceil(qps / capacity_qps) + 2:
         replicas += 1
     return replicas
 
@@ -160,27 +175,30 @@ def plan_layout(dep: Deployment, workload: Workload, slo: SLO, space: SearchSpac
     kv_seqs = max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
     if kv_seqs < 1:
         return [_row(dep, workload, 0, None, 0, False, "does not fit in memory", budget)]
-    replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, space.max_num_batched_tokens)
+    replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, space.max_num_batched_tokens,
+                           workload.arrival_cv2)
+    tail = space.slo_at_p99
     if workload.concurrency is not None:  # one replica under the benchmark's clients
         pred = replica.predict_closed_loop(workload.concurrency)
-        return [_row(dep, workload, 1, pred, kv_seqs, pred.meets(slo), pred.decode_bottleneck, budget)]
-    capacity = replica.capacity_qps(slo)
+        return [_row(dep, workload, 1, pred, kv_seqs, pred.meets(slo, tail), pred.decode_bottleneck, budget)]
+    capacity = replica.capacity_qps(slo, tail=tail)
     meets, target = capacity > 0, slo
     if not meets:  # report what merely keeping up would take
         capacity, target = replica.capacity_qps(None), None
         if capacity == 0:
             return [_row(dep, workload, 0, None, kv_seqs, False, "cannot keep up at any load", budget)]
-    replicas = _fewest_replicas(replica, workload.qps, target, capacity)
+    replicas = _fewest_replicas(replica, workload.qps, target, capacity, tail)
     pred = replica.predict(workload.qps / replicas)
     note = pred.decode_bottleneck if meets else "misses the SLO at any load"
     if space.max_total_gpus is not None and replicas * dep.world_size > space.max_total_gpus:
         note = f"over the budget of {space.max_total_gpus} GPUs"
-    rows = [_row(dep, workload, replicas, pred, kv_seqs, meets and pred.meets(slo), note, budget)]
+    rows = [_row(dep, workload, replicas, pred, kv_seqs, meets and pred.meets(slo, tail), note, budget)]
     if rows[0].feasible:
         for more in sorted({replicas + 1, math.ceil(1.5 * replicas), 2 * replicas, 4 * replicas} - {replicas}):
             if space.max_total_gpus is None or more * dep.world_size <= space.max_total_gpus:
                 extra = replica.predict(workload.qps / more)
-                rows.append(_row(dep, workload, more, extra, kv_seqs, extra.meets(slo), extra.decode_bottleneck, budget))
+                rows.append(_row(dep, workload, more, extra, kv_seqs, extra.meets(slo, tail), extra.decode_bottleneck,
+                                 budget))
     return rows
 
 

@@ -6,13 +6,14 @@ import dataclasses
 
 import pytest
 
-from shardserve.config import ConfigError, ModelConfig, ParallelConfig
+from shardserve.config import ConfigError, EngineConfig, MlaShape, ModelConfig, ParallelConfig
 from shardserve.planner.collectives import (
     all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s,
 )
+from shardserve.param_counts import kv_values_per_token, o_params, qkv_params
 from shardserve.planner.cost_model import (
-    BatchSummary, Deployment, decode_step_time, fraction_of_experts_hit, layer_flops,
-    num_attended_pairs, prefill_time, step_time,
+    BatchSummary, Deployment, attention_flops_per_pair, decode_step_time, fraction_of_experts_hit, layer_flops,
+    num_attended_pairs, prefill_time, step_time, step_work,
 )
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import get_hardware
@@ -278,3 +279,48 @@ def test_efficiency_validation():
         Efficiency(gemm=0)
     with pytest.raises(ConfigError, match="step_overhead_s"):
         Efficiency(step_overhead_s=-1)
+
+
+# Latent attention (MLA): 4 heads, q through a 24-wide bottleneck, kv latent 32 + a shared rotary
+# key of 8; per head 16 no-rope + 8 rope dims of query/key and 16 of value (head_dim 24).
+TINY_MLA = dataclasses.replace(TINY, architecture="deepseek_v3", head_dim=24, num_kv_heads=4,
+                               mla=MlaShape(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                            q_lora_rank=24))
+
+
+def test_latent_attention_params_cache_and_flops_by_hand():
+    # q: 64x24 down (replicated) + 24 x 4 heads x 24 up; kv: 64 x (32 + 8) down (replicated) + 32 x 4 x (16 + 16)
+    assert qkv_params(TINY_MLA) == 64 * 24 + 24 * 4 * 24 + 64 * 40 + 32 * 4 * 32
+    assert qkv_params(TINY_MLA, 2) == 64 * 24 + 24 * 4 * 24 // 2 + 64 * 40 + 32 * 4 * 32 // 2
+    assert o_params(TINY_MLA) == 4 * 16 * 64
+    # the cache is the latent, whole on every tp rank (GQA would split 2 x 4 heads x 24 over tp)
+    assert kv_values_per_token(TINY_MLA, 1) == kv_values_per_token(TINY_MLA, 2) == 40
+    # a prefill pair up-projects to per-head keys and values (24 + 16 per head, x2 FLOPs, QK and PV);
+    # a decode pair attends over the latent itself (40 for QK, 32 for PV)
+    assert attention_flops_per_pair(TINY_MLA) == 2 * 4 * (24 + 16)
+    assert attention_flops_per_pair(TINY_MLA, decode=True) == 2 * 4 * (40 + 32)
+    work = step_work(dep(TINY_MLA, par()), BatchSummary(num_decode_seqs=3, decode_context_len=10))
+    assert work.attention_flops == 2 * 576 * 30
+    assert work.kv_bytes == 3 * 10 * 2 * 40 * BF16
+
+
+def test_data_parallel_attention_splits_the_sequences_and_drops_the_all_gather():
+    repeated, split = dep(TINY_MOE, par(ep=4)), dep(TINY_MOE, par(ep=4, dp_attention=True))
+    batch = BatchSummary(num_decode_seqs=8, decode_context_len=100)
+    # each of the 4 attention groups reads a quarter of the KV and attends for a quarter of the pairs
+    assert step_work(split, batch).kv_bytes == pytest.approx(step_work(repeated, batch).kv_bytes / 4)
+    assert step_work(split, batch).attention_flops == pytest.approx(step_work(repeated, batch).attention_flops / 4)
+    # per layer, the repeated attention needs every token back on every rank ([8, 64] gathered); the
+    # groups keep their own: the dispatch and combine all-to-alls are the same
+    gap = decode_step_time(repeated, 8, 100).comm_s - decode_step_time(split, 8, 100).comm_s
+    assert gap == pytest.approx(2 * all_gather_time_s(8 * 64 * BF16, 4, *NVLINK))
+    # and the replica holds 4 times the KV of one rank
+    one_rank = max_batch_tokens(TINY_MOE, par(ep=4), get_hardware("h100"), BF16)
+    assert max_batch_tokens(TINY_MOE, par(ep=4, dp_attention=True), get_hardware("h100"), BF16) == 4 * one_rank
+
+
+def test_data_parallel_attention_is_a_planner_layout_only():
+    with pytest.raises(ConfigError, match="dp_attention needs ep > tp"):
+        par(tp=2, ep=2, dp_attention=True).validate(TINY_MOE)
+    with pytest.raises(ConfigError, match="the engine does not run it"):
+        EngineConfig(parallel=par(ep=2, dp_attention=True))

@@ -14,6 +14,7 @@ from shardserve.planner.fleet import (
 )
 from shardserve.planner.hardware import get_hardware
 from shardserve.planner.model_presets import preset
+from shardserve.planner.plan_report import format_fleet
 from shardserve.planner.replica_model import Workload
 from shardserve.planner.search import SearchSpace
 
@@ -76,6 +77,12 @@ def test_plan_fleet_end_to_end_respects_pool_and_traffic():
     for index, demand in enumerate(demands):
         mine = [a for a in plan.assignments if a.demand == demand.name]
         assert sum(a.replicas * a.option.capacity_qps for a in mine) >= demand.workload.qps
+        # each assignment's share of the traffic, and its latency there, within the SLO
+        assert sum(a.qps for a in mine) == pytest.approx(demand.workload.qps)
+        for a in mine:
+            pred = a.prediction()
+            assert pred.arrival_qps == pytest.approx(a.qps / a.replicas) and pred.meets(slo)
+    assert "TTFT ms" in format_fleet(plan) and "TPOT ms" in format_fleet(plan)
     # no H200 in the pool: everything lands on H100s and costs at least as much
     h100_only = plan_fleet(demands, [pool[0], PoolDevice(get_hardware("h200"), Efficiency(), 0)], space=one_node)
     assert h100_only.feasible and all(a.option.hardware == "H100 SXM" for a in h100_only.assignments)

@@ -11,8 +11,8 @@ from shardserve.planner.model_presets import preset, preset_names, resolve_model
 
 
 def test_presets_have_the_published_shapes():
-    assert preset_names() == ["llama-3.1-405b", "llama-3.1-70b", "llama-3.1-8b", "mixtral-8x7b", "qwen3-235b-a22b",
-                              "qwen3-30b-a3b"]
+    assert preset_names() == ["deepseek-v3", "llama-3.1-405b", "llama-3.1-70b", "llama-3.1-8b", "llama-4-maverick",
+                              "llama-4-scout", "mixtral-8x22b", "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"]
     llama = preset("llama-3.1-70b")
     assert (llama.num_layers, llama.hidden_size, llama.num_kv_heads, llama.vocab_size) == (80, 8192, 8, 128256)
     mixtral = preset("mixtral-8x7b")
@@ -26,7 +26,43 @@ def test_presets_have_the_published_shapes():
     assert 234e9 < big.num_params < 236e9
 
 
-@pytest.mark.parametrize("name", ["Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct", "llama3.1_70b"])
+def active_params(model) -> float:
+    return sum(model.active_params_per_layer()) + model.vocab_size * model.hidden_size * 2
+
+
+@pytest.mark.parametrize("name, total, active", [
+    # the model cards' "671B total, 37B activated" (DeepSeek-V3 without its 14B multi-token-prediction
+    # layer), Llama 4 "17B active" of 109B / 400B (the text model: the vision tower is left out)
+    ("deepseek-ai/DeepSeek-R1", 671e9, 37e9), ("llama-4-scout", 108e9, 17e9), ("llama-4-maverick", 400e9, 17e9),
+    ("mixtral-8x22b", 141e9, 39e9)])
+def test_planner_only_presets_count_their_published_parameters(name, total, active):
+    model = preset(name)
+    assert abs(model.num_params / total - 1) < 0.01
+    assert abs(active_params(model) / active - 1) < 0.03
+
+
+def test_deepseek_v3_is_latent_attention_with_three_dense_layers():
+    model = preset("deepseek-v3")
+    assert model.mla is not None and model.mla.latent_width == 512 + 64
+    assert model.dense_layer_ids == (0, 1, 2) and (model.num_experts, model.num_experts_per_token) == (256, 8)
+    assert model.shared_expert_intermediate_size == 2048
+    # the cache holds the latent, not 128 heads of K and V: 61 layers x 576 x 1 byte in fp8 (a GQA
+    # reading of the same config, 2 x 128 heads x 192, is 85x larger)
+    assert model.kv_bytes_per_token(1) == 61 * 576
+    maverick = preset("llama-4-maverick")  # MoE every other layer, the dense ones twice as wide
+    assert maverick.dense_layer_ids == tuple(range(0, 48, 2)) and maverick.intermediate_size == 16384
+
+
+def test_the_engine_refuses_what_only_the_planner_can_size(tmp_path):
+    from shardserve.models.safetensors_files import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"`shardserve plan` can size DeepseekV3ForCausalLM; the engine cannot"):
+        read_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct", "llama3.1_70b",
+                                  "meta-llama/Llama-3.3-70B-Instruct"])
 def test_preset_names_are_forgiving(name):
     assert resolve_model(name) == preset("llama-3.1-70b")
 

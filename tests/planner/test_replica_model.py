@@ -123,3 +123,34 @@ def test_closed_loop_clients_arrive_in_waves_and_queue_behind_each_others_prefil
     assert full.num_running_seqs == 32 and full.arrival_qps == pytest.approx(half.arrival_qps)
     period = 16 * t2 + 127 * decode_step_time(LLAMA8B, 32, 1024 + 64).total_s
     assert full.ttft_s == pytest.approx(half.ttft_s + period)
+
+
+def test_gamma_arrivals_scale_the_prefill_wait_and_p99_follows_the_exponential_tail():
+    # prefill only (output_len 1): G/D/1 wait = c2 rho t_p / (2 (1 - rho)), c2 = 1 / shape
+    t_p = prefill_time(LLAMA8B, 1024).total_s
+    poisson = ReplicaModel(LLAMA8B, input_len=1024, output_len=1, max_num_seqs=100).predict(0.5 / t_p)
+    bursty = ReplicaModel(LLAMA8B, input_len=1024, output_len=1, max_num_seqs=100, arrival_cv2=4.0).predict(0.5 / t_p)
+    assert poisson.ttft_s - t_p == pytest.approx(0.5 * t_p)
+    assert bursty.ttft_s - t_p == pytest.approx(4 * 0.5 * t_p)
+    # P(W > t) = rho exp(-rho t / W): W_99 = (W / rho) ln(rho / 0.01) = t_p ln 50 at rho 0.5
+    assert poisson.ttft_p99_s == pytest.approx(t_p + t_p * math.log(50))
+    # below rho = 0.01 the 99th percentile waits for nothing
+    assert ReplicaModel(LLAMA8B, 1024, 1, 100).predict(0.005 / t_p).ttft_p99_s == pytest.approx(t_p)
+    assert Workload(128, 16, qps=1.0, burstiness=0.25).arrival_cv2 == 4.0
+    with pytest.raises(ConfigError, match="burstiness"):
+        Workload(128, 16, qps=1.0, burstiness=0)
+
+
+def test_tpot_p99_counts_the_prompts_that_arrive_during_a_decode():
+    replica = ReplicaModel(LLAMA8B, input_len=512, output_len=128, max_num_seqs=1000)
+    pred = replica.predict(4.0)
+    step = decode_step_time(LLAMA8B, pred.num_running_seqs, 512 + 64).total_s
+    meanwhile = 4.0 * 127 * pred.tpot_s  # prompts arriving during its 127 decode steps
+    per_prompt = replica.prefill_s  # one prompt per prefill step at this rate
+    assert replica.packed_prefill(4.0)[0] == 1
+    assert pred.tpot_p99_s == pytest.approx(step + per_prompt * (meanwhile + 2.33 * math.sqrt(meanwhile)) / 127)
+    assert pred.tpot_s < pred.tpot_p99_s and pred.ttft_s < pred.ttft_p99_s
+    # the mean TPOT is the same count's mean: t_decode + t_p m / (O - 1)
+    assert pred.tpot_s == pytest.approx(step + per_prompt * meanwhile / 127, rel=1e-3)
+    slo = SLO(tpot_ms=(pred.tpot_s + pred.tpot_p99_s) / 2 * 1e3)
+    assert pred.meets(slo) and not pred.meets(slo, tail=True)

@@ -1,0 +1,293 @@
+"""The planner against published, measured GPU results (benchmarks/planner_published.yaml).
+
+Every row of the YAML names its source (TensorRT-LLM's performance tables and blogs, MLPerf
+Inference logs, SGLang's deployment posts) and gives what was measured there: a model, a GPU and
+how many, a layout where published, a dtype, prompt and output lengths, a load (offline, a
+closed loop of clients, a request rate) and throughput and, for some, TTFT and TPOT. Each row the
+planner can express is predicted with the cost model (shardserve/planner: Deployment, ReplicaModel)
+on the catalog device, uncalibrated, and compared: relative error |predicted - published| /
+published, throughput rows and latency rows apart.
+
+How a row becomes a prediction
+- model: the planner's preset for the checkpoint (Llama-3.3-70B has Llama-3.1-70B's shape,
+  DeepSeek-R1 DeepSeek-V3's); dtype fp16/bf16/fp8/nvfp4 -> float16/bfloat16/float8/float4.
+- layout: the published tp (and ep); "DEP n" and `enable_attention_dp` rows are tp1 epN with
+  data-parallel attention; replicas = GPUs / GPUs per replica.
+- offline rows (max throughput, every request at once) are a closed loop as deep as the engine
+  takes: min(KV capacity, OFFLINE_MAX_BATCH per attention group) sequences with a token budget of
+  OFFLINE_TOKEN_BUDGET (TensorRT-LLM's trtllm-bench tunes both per row and does not publish them;
+  rows that give them override these: ROW_SETTINGS); concurrency rows a closed loop of that many
+  clients; request-rate rows Poisson traffic at that rate (TTFT and TPOT compared).
+- not expressed, and counted as such: rows without a published prompt length (MLPerf's logs
+  give none), speculative-decoding rows, disaggregated pools' one-sided figures, devices and
+  models outside the catalog and presets.
+
+Calibration: one Efficiency per dtype family (16-bit, fp8, fp4), fitted by grid search on the
+calibration subset -- the rows at even positions of each dtype family in file order -- and
+scored on the other rows only (held out).
+
+Run
+    .venv/bin/python benchmarks/planner_published.py [--rows FILE] [--show]
+A few seconds. Prints every row's prediction (with --show), the error by group, and last
+`RESULT {"rows", "median_error", "p90_error", "calibrated_median_error", ...}` (throughput rows;
+also benchmarks/results/planner_published.json).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from shardserve.config import ConfigError, ParallelConfig
+from shardserve.planner.cost_model import Deployment
+from shardserve.planner.efficiency import Efficiency
+from shardserve.planner.hardware import get_hardware, load_catalog
+from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit
+from shardserve.planner.model_presets import preset
+from shardserve.planner.replica_model import ReplicaModel
+
+HERE = Path(__file__).resolve().parent
+OFFLINE_MAX_BATCH = 2048  # sequences per attention group an offline run keeps in flight
+OFFLINE_TOKEN_BUDGET = 8192  # tokens per step in an offline run
+# Engine settings a row's source states (the blog's trtllm-bench command lines).
+ROW_SETTINGS = {
+    "trtllm-blog-dsr1-h200-maxtput": {"max_batch": 128, "token_budget": 1151, "dp_attention": True},
+    "trtllm-blog-dsr1-b200-maxtput-fp16kv": {"dp_attention": True},
+}
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float8", "nvfp4": "float4", "fp4": "float4"}
+FAMILY = {"float16": "16-bit", "bfloat16": "16-bit", "float8": "fp8", "float4": "fp4"}
+GPUS = (("gb200", "GB200"), ("h100 nvl", None), ("h200", "H200"), ("h100", "H100"), ("b200", "B200"),
+        ("a100", "A100 80GB"), ("l40s", "L40S"), ("mi300x", "MI300X"))
+# name in the sources -> planner preset (same shape)
+MODEL_ALIASES = {"llama-3.3-70b": "llama-3.1-70b", "deepseek-r1-0528": "deepseek-v3", "deepseek-r1": "deepseek-v3"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One expressible row: what to predict and what was published."""
+
+    id: str
+    group: dict[str, str]  # kind (dense/moe), family, gpu, source
+    deployment: Deployment
+    replicas: int
+    isl: int
+    osl: int
+    load: str  # "offline", "concurrency", "rate"
+    load_value: float  # clients per replica, or requests/s per replica (0 offline)
+    max_batch: int
+    token_budget: int
+    published: dict[str, float]  # metric name -> value (throughput per GPU in tok/s, ms)
+
+
+def _dtype(text: str) -> str | None:
+    return DTYPES.get(str(text).split()[0].lower())
+
+
+def _gpu(text: str) -> str | None:
+    low = str(text).lower()
+    return next((name for key, name in GPUS if key in low), None)
+
+
+def _model(name: str):
+    short = name.rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    return preset(MODEL_ALIASES.get(short, short))
+
+
+def _layout(row: dict, settings: dict) -> ParallelConfig:
+    tp, ep, dp, n = row.get("tp"), row.get("ep"), row.get("dp"), row["num_gpus"]
+    if settings.get("dp_attention") or (dp and ep and dp == ep):
+        return ParallelConfig(tp_size=1, ep_size=ep or n, dp_attention=True)
+    return ParallelConfig(tp_size=tp or 1, ep_size=ep or 1)
+
+
+def _published(row: dict) -> dict[str, float]:
+    m, n = row["metrics"], row["num_gpus"]
+    out = {}
+    if "output_tok_s_per_gpu" in m:
+        out["output_tok_s_per_gpu"] = float(m["output_tok_s_per_gpu"])
+    elif "output_tok_s" in m:
+        out["output_tok_s_per_gpu"] = float(m["output_tok_s"]) / n
+    for name, key in (("ttft_ms", "ttft_ms_mean"), ("tpot_ms", "itl_ms_mean")):
+        if key in m:
+            out[name] = float(m[key])
+    return out
+
+
+def expressible(row: dict, catalog) -> tuple[Case | None, str]:
+    """(the case, "") or (None, why the planner cannot express the row)."""
+    if row.get("speculative"):
+        return None, "speculative decoding"
+    if row.get("disaggregated"):
+        return None, "one pool of a disaggregated deployment"
+    if not row.get("isl") or not row.get("osl"):
+        return None, "no published prompt/output length"
+    model, gpu, dtype = _model(row["model"]), _gpu(row["gpu"]), _dtype(row["dtype"])
+    if model is None or gpu is None or dtype is None:
+        return None, f"not in the presets/catalog: {row['model']}, {row['gpu']}, {row['dtype']}"
+    settings = ROW_SETTINGS.get(row["id"], {})
+    par = _layout(row, settings)
+    try:
+        dep = Deployment(model, par, get_hardware(gpu, catalog), dtype)
+    except ConfigError as exc:
+        return None, f"layout: {exc}"
+    if row["num_gpus"] % par.world_size:
+        return None, f"{row['num_gpus']} GPUs is not a multiple of the layout's {par.world_size}"
+    replicas = row["num_gpus"] // par.world_size
+    load = row["load"]
+    if load == "offline":
+        kind, value = "offline", 0.0
+    elif isinstance(load, dict) and "concurrency" in load:
+        kind, value = "concurrency", load["concurrency"] / replicas
+    elif isinstance(load, dict) and "request_rate" in load and "scenario" not in load:
+        kind, value = "rate", load["request_rate"] / replicas
+    else:
+        return None, f"load {load!r}"
+    published = _published(row)
+    if kind == "rate":  # a throughput at a fixed rate is the rate: only latencies say anything
+        published.pop("output_tok_s_per_gpu", None)
+    if not published:
+        return None, "no metric the planner predicts"
+    source = row["id"].split("-")[0]
+    group = {"kind": "moe" if model.is_moe else "dense", "family": FAMILY[dtype], "gpu": gpu, "source": source}
+    return Case(row["id"], group, dep, replicas, row["isl"], row["osl"], kind, value,
+                settings.get("max_batch", OFFLINE_MAX_BATCH), settings.get("token_budget", OFFLINE_TOKEN_BUDGET),
+                published), ""
+
+
+def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
+    dep = dataclasses.replace(case.deployment, efficiency=efficiency)
+    par = dep.parallel
+    kv_tokens = max_batch_tokens(dep.model, par, dep.hardware, dep.dtype_bytes, 0.9, dep.kv_bytes)
+    kv_seqs = max_num_seqs_that_fit(kv_tokens, case.isl + case.osl)
+    if kv_seqs < 1:
+        return {}
+    max_seqs = min(kv_seqs, case.max_batch * par.attention_groups)
+    replica = ReplicaModel(dep, case.isl, case.osl, max_seqs, case.token_budget)
+    if case.load == "rate":
+        pred = replica.predict(case.load_value)
+    else:
+        pred = replica.predict_closed_loop(int(case.load_value) if case.load == "concurrency" else max_seqs)
+    if not pred.stable:
+        return {}
+    gpus = case.replicas * par.world_size
+    return {"output_tok_s_per_gpu": pred.arrival_qps * case.replicas * case.osl / gpus,
+            "ttft_ms": pred.ttft_s * 1e3, "tpot_ms": pred.tpot_s * 1e3}
+
+
+def errors(cases: list[Case], efficiency_of) -> list[tuple[Case, str, float, float, float]]:
+    out = []
+    for case in cases:
+        pred = predict(case, efficiency_of(case))
+        for metric, published in case.published.items():
+            value = pred.get(metric, math.inf)
+            out.append((case, metric, published, value, abs(value - published) / published))
+    return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(math.ceil(q * len(values))) - 1)] if values else math.nan
+
+
+def _summary(errs: list[float]) -> str:
+    return f"n={len(errs):3d}  median {statistics.median(errs):6.1%}  p90 {_quantile(errs, 0.9):6.1%}" if errs else "n=0"
+
+
+def calibration_split(cases: list[Case]) -> tuple[list[Case], list[Case]]:
+    """The calibration subset (even positions within each dtype family, in file order) and the
+    held-out rest."""
+    fit, held = [], []
+    for family in ("16-bit", "fp8", "fp4"):
+        members = [c for c in cases if c.group["family"] == family]
+        fit += members[0::2]
+        held += members[1::2]
+    return fit, held
+
+
+GRID = {"gemm": (0.4, 0.5, 0.6, 0.7, 0.8, 0.9), "memory": (0.5, 0.6, 0.7, 0.8, 0.9),
+        "step_overhead_s": (0.5e-3, 1e-3, 2e-3, 4e-3)}
+
+
+def fit_family(cases: list[Case]) -> Efficiency:
+    """The grid point with the lowest median throughput error on `cases`."""
+    best, best_err = Efficiency(), math.inf
+    for gemm, memory, overhead in itertools.product(*GRID.values()):
+        eff = Efficiency(gemm=gemm, memory=memory, step_overhead_s=overhead, calibrated=True,
+                         source="planner_published calibration subset")
+        errs = [e for c, m, _, _, e in errors(cases, lambda _c: eff) if m == "output_tok_s_per_gpu"]
+        err = statistics.median(errs) if errs else math.inf
+        if err < best_err:
+            best, best_err = eff, err
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default=str(HERE / "planner_published.yaml"))
+    parser.add_argument("--show", action="store_true", help="print every row's prediction")
+    args = parser.parse_args(argv)
+    rows = yaml.safe_load(Path(args.rows).read_text())["rows"]
+    catalog = load_catalog()
+    cases, skipped = [], {}
+    for row in rows:
+        case, why = expressible(row, catalog)
+        if case is None:
+            skipped[why] = skipped.get(why, 0) + 1
+        else:
+            cases.append(case)
+    print(f"{len(rows)} published rows, {len(cases)} expressible; not expressed: "
+          + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])))
+
+    uncal = errors(cases, lambda _c: Efficiency())
+    if args.show:
+        for case, metric, published, value, err in uncal:
+            par = case.deployment.parallel
+            print(f"  {case.id:58s} {metric:20s} published {published:10.1f}  predicted {value:10.1f}  "
+                  f"{err:6.1%}  (tp{par.tp_size} ep{par.ep_size}{' dp' if par.dp_attention else ''} "
+                  f"x{case.replicas}, {case.load})")
+    throughput = [e for e in uncal if e[1] == "output_tok_s_per_gpu"]
+    print("\nuncalibrated, throughput rows:", _summary([e[4] for e in throughput]))
+    for key in ("kind", "family", "gpu", "source"):
+        for value in sorted({c.group[key] for c, *_ in throughput}):
+            print(f"  {key}={value:12s}", _summary([e[4] for e in throughput if e[0].group[key] == value]))
+    for metric in ("ttft_ms", "tpot_ms"):
+        print(f"uncalibrated, {metric} rows:", _summary([e[4] for e in uncal if e[1] == metric]))
+
+    fit, held = calibration_split(cases)
+    fitted = {family: fit_family([c for c in fit if c.group["family"] == family]) for family in FAMILY.values()}
+    cal = errors(held, lambda c: fitted[c.group["family"]])
+    cal_throughput = [e[4] for e in cal if e[1] == "output_tok_s_per_gpu"]
+    print(f"\ncalibrated on {len(fit)} rows (even positions per dtype family), scored on {len(held)} held-out rows:")
+    for family, eff in fitted.items():
+        print(f"  {family}: gemm {eff.gemm}, memory {eff.memory}, step overhead {eff.step_overhead_s * 1e3:g} ms")
+    print("  held-out throughput rows:", _summary(cal_throughput))
+    for metric in ("ttft_ms", "tpot_ms"):
+        print(f"  held-out {metric} rows:", _summary([e[4] for e in cal if e[1] == metric]))
+
+    result = {
+        "rows": len(throughput), "median_error": round(statistics.median(e[4] for e in throughput), 4),
+        "p90_error": round(_quantile([e[4] for e in throughput], 0.9), 4),
+        "calibrated_median_error": round(statistics.median(cal_throughput), 4),
+        "calibrated_rows": len(cal_throughput),
+        "ttft_rows": sum(e[1] == "ttft_ms" for e in uncal),
+        "ttft_median_error": round(statistics.median([e[4] for e in uncal if e[1] == "ttft_ms"] or [math.nan]), 4),
+        "tpot_rows": sum(e[1] == "tpot_ms" for e in uncal),
+        "tpot_median_error": round(statistics.median([e[4] for e in uncal if e[1] == "tpot_ms"] or [math.nan]), 4),
+        "published_rows": len(rows), "expressible_rows": len(cases),
+    }
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "planner_published.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
