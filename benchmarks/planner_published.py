@@ -14,17 +14,20 @@ How a row becomes a prediction
 - layout: the published tp (and ep); "DEP n" and `enable_attention_dp` rows are tp1 epN with
   data-parallel attention; replicas = GPUs / GPUs per replica.
 - offline rows (max throughput, every request at once) are a closed loop as deep as the engine
-  takes: min(KV capacity, OFFLINE_MAX_BATCH per attention group) sequences with a token budget of
-  OFFLINE_TOKEN_BUDGET (TensorRT-LLM's trtllm-bench tunes both per row and does not publish them;
-  rows that give them override these: ROW_SETTINGS); concurrency rows a closed loop of that many
-  clients; request-rate rows Poisson traffic at that rate (TTFT and TPOT compared).
+  takes, with the engine limits trtllm-bench derives when a table leaves them at their defaults
+  (tensorrt_llm/bench/build/tuning.py): a batch of what the KV cache holds for isl + osl tokens,
+  at most 4096, and a step budget of batch x (1 + isl / osl) tokens, between 2048 and 32768.
+  Rows whose source gives its settings override them (ROW_SETTINGS). Concurrency rows are a
+  closed loop of that many clients; request-rate rows Poisson traffic at that rate (TTFT and
+  TPOT compared).
 - not expressed, and counted as such: rows without a published prompt length (MLPerf's logs
   give none), speculative-decoding rows, disaggregated pools' one-sided figures, devices and
   models outside the catalog and presets.
 
-Calibration: one Efficiency per dtype family (16-bit, fp8, fp4), fitted by grid search on the
-calibration subset -- the rows at even positions of each dtype family in file order -- and
-scored on the other rows only (held out).
+Calibration: one Efficiency per dtype family (16-bit, fp8, fp4) and kind (dense, MoE): gemm,
+weight and KV-cache memory factors and the step overhead, fitted by grid search on the
+calibration subset -- the rows at even positions of each group in file order -- and scored on
+the other rows only (held out).
 
 Run
     .venv/bin/python benchmarks/planner_published.py [--rows FILE] [--show]
@@ -55,8 +58,7 @@ from shardserve.planner.model_presets import preset
 from shardserve.planner.replica_model import ReplicaModel
 
 HERE = Path(__file__).resolve().parent
-OFFLINE_MAX_BATCH = 2048  # sequences per attention group an offline run keeps in flight
-OFFLINE_TOKEN_BUDGET = 8192  # tokens per step in an offline run
+MAX_BATCH, MIN_BUDGET, MAX_BUDGET = 4096, 2048, 32768  # trtllm-bench's bounds on its derived limits
 # Engine settings a row's source states (the blog's trtllm-bench command lines).
 ROW_SETTINGS = {
     "trtllm-blog-dsr1-h200-maxtput": {"max_batch": 128, "token_budget": 1151, "dp_attention": True},
@@ -82,8 +84,8 @@ class Case:
     osl: int
     load: str  # "offline", "concurrency", "rate"
     load_value: float  # clients per replica, or requests/s per replica (0 offline)
-    max_batch: int
-    token_budget: int
+    max_batch: int | None  # None: trtllm-bench's derived limits
+    token_budget: int | None
     published: dict[str, float]  # metric name -> value (throughput per GPU in tok/s, ms)
 
 
@@ -158,8 +160,7 @@ def expressible(row: dict, catalog) -> tuple[Case | None, str]:
     source = row["id"].split("-")[0]
     group = {"kind": "moe" if model.is_moe else "dense", "family": FAMILY[dtype], "gpu": gpu, "source": source}
     return Case(row["id"], group, dep, replicas, row["isl"], row["osl"], kind, value,
-                settings.get("max_batch", OFFLINE_MAX_BATCH), settings.get("token_budget", OFFLINE_TOKEN_BUDGET),
-                published), ""
+                settings.get("max_batch"), settings.get("token_budget"), published), ""
 
 
 def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
@@ -169,8 +170,12 @@ def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
     kv_seqs = max_num_seqs_that_fit(kv_tokens, case.isl + case.osl)
     if kv_seqs < 1:
         return {}
-    max_seqs = min(kv_seqs, case.max_batch * par.attention_groups)
-    replica = ReplicaModel(dep, case.isl, case.osl, max_seqs, case.token_budget)
+    if case.max_batch is not None:  # per attention group, as the engine's max_batch_size is per rank
+        max_seqs, budget = min(kv_seqs, case.max_batch * par.attention_groups), case.token_budget
+    else:
+        max_seqs = min(kv_seqs, MAX_BATCH)
+        budget = int(min(MAX_BUDGET, max(MIN_BUDGET, max_seqs * (1 + case.isl / case.osl))))
+    replica = ReplicaModel(dep, case.isl, case.osl, max_seqs, budget)
     if case.load == "rate":
         pred = replica.predict(case.load_value)
     else:
@@ -201,26 +206,35 @@ def _summary(errs: list[float]) -> str:
     return f"n={len(errs):3d}  median {statistics.median(errs):6.1%}  p90 {_quantile(errs, 0.9):6.1%}" if errs else "n=0"
 
 
+def calibration_group(case: Case) -> tuple[str, str]:
+    """What one set of factors covers: a dtype family and dense or MoE (MoE kernels -- routing,
+    grouped GEMMs, token permutes -- reach another fraction of the peaks than dense ones)."""
+    return case.group["family"], case.group["kind"]
+
+
+CALIBRATION_GROUPS = [(family, kind) for family in ("16-bit", "fp8", "fp4") for kind in ("dense", "moe")]
+
+
 def calibration_split(cases: list[Case]) -> tuple[list[Case], list[Case]]:
-    """The calibration subset (even positions within each dtype family, in file order) and the
-    held-out rest."""
+    """The calibration subset (even positions within each calibration group, in file order) and
+    the held-out rest."""
     fit, held = [], []
-    for family in ("16-bit", "fp8", "fp4"):
-        members = [c for c in cases if c.group["family"] == family]
+    for group in CALIBRATION_GROUPS:
+        members = [c for c in cases if calibration_group(c) == group]
         fit += members[0::2]
         held += members[1::2]
     return fit, held
 
 
-GRID = {"gemm": (0.4, 0.5, 0.6, 0.7, 0.8, 0.9), "memory": (0.5, 0.6, 0.7, 0.8, 0.9),
-        "step_overhead_s": (0.5e-3, 1e-3, 2e-3, 4e-3)}
+GRID = {"gemm": (0.3, 0.4, 0.5, 0.6, 0.7, 0.8), "memory": (0.5, 0.6, 0.7, 0.8, 0.9),
+        "kv_memory": (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9), "step_overhead_s": (0.5e-3, 1e-3, 2e-3, 4e-3)}
 
 
 def fit_family(cases: list[Case]) -> Efficiency:
     """The grid point with the lowest median throughput error on `cases`."""
     best, best_err = Efficiency(), math.inf
-    for gemm, memory, overhead in itertools.product(*GRID.values()):
-        eff = Efficiency(gemm=gemm, memory=memory, step_overhead_s=overhead, calibrated=True,
+    for gemm, memory, kv_memory, overhead in itertools.product(*GRID.values()):
+        eff = Efficiency(gemm=gemm, memory=memory, kv_memory=kv_memory, step_overhead_s=overhead, calibrated=True,
                          source="planner_published calibration subset")
         errs = [e for c, m, _, _, e in errors(cases, lambda _c: eff) if m == "output_tok_s_per_gpu"]
         err = statistics.median(errs) if errs else math.inf
@@ -262,12 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"uncalibrated, {metric} rows:", _summary([e[4] for e in uncal if e[1] == metric]))
 
     fit, held = calibration_split(cases)
-    fitted = {family: fit_family([c for c in fit if c.group["family"] == family]) for family in FAMILY.values()}
-    cal = errors(held, lambda c: fitted[c.group["family"]])
+    fitted = {group: fit_family([c for c in fit if calibration_group(c) == group]) for group in CALIBRATION_GROUPS}
+    cal = errors(held, lambda c: fitted[calibration_group(c)])
     cal_throughput = [e[4] for e in cal if e[1] == "output_tok_s_per_gpu"]
-    print(f"\ncalibrated on {len(fit)} rows (even positions per dtype family), scored on {len(held)} held-out rows:")
-    for family, eff in fitted.items():
-        print(f"  {family}: gemm {eff.gemm}, memory {eff.memory}, step overhead {eff.step_overhead_s * 1e3:g} ms")
+    print(f"\ncalibrated on {len(fit)} rows (even positions per dtype family and dense/MoE), "
+          f"scored on {len(held)} held-out rows:")
+    for (family, kind), eff in fitted.items():
+        print(f"  {family} {kind}: gemm {eff.gemm}, memory {eff.memory}, kv_memory {eff.kv_memory}, "
+              f"step overhead {eff.step_overhead_s * 1e3:g} ms")
     print("  held-out throughput rows:", _summary(cal_throughput))
     for metric in ("ttft_ms", "tpot_ms"):
         print(f"  held-out {metric} rows:", _summary([e[4] for e in cal if e[1] == metric]))

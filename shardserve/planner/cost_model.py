@@ -4,13 +4,14 @@ A `Deployment` is one replica: model, ParallelConfig (the engine's own layout, s
 device, dtype and efficiency factors. Per rank of each pipeline stage, for one micro-batch:
 
     gemm      = roof(gemm_flops / (peak * eff.gemm),  weight_bytes_read / (mem_bw * eff.memory))
-    attention = roof(prefill_attn_flops / (peak * eff.attention)
-                     + decode_attn_flops / (peak * eff.decode_attention_factor),
-                     kv_bytes_read / (mem_bw * eff.memory))
+    attention = roof(prefill_attn_flops / (attn_peak * eff.attention)
+                     + decode_attn_flops / (attn_peak * eff.decode_attention_factor),
+                     kv_bytes_read / (mem_bw * eff.kv_memory_factor))
     stage     = gemm + attention + comm (collectives and the p2p send on, at link bw * eff.network)
     roof(compute, memory) = max(compute, memory) + (1 - eff.overlap) * min(compute, memory)
 
-(overlap 1, the default, is the classic roofline; a CPU hides only part of the weight streaming
+(attn_peak: the peak of the KV cache's dtype, Deployment.attention_dtype; overlap 1, the
+default, is the classic roofline; a CPU hides only part of the weight streaming
 under the arithmetic, and its calibrated overlap is lower. Decode attention, one query token
 per sequence, runs a different kernel than a prefill chunk's, hence its own factor.)
 
@@ -87,6 +88,15 @@ class Deployment:
     @property
     def world_size(self) -> int:
         return self.parallel.world_size
+
+    @property
+    def attention_dtype(self) -> str:
+        """The dtype attention's matmuls run in: the KV cache's. An fp8 cache (fp8 weights, and
+        fp4 weights, which keep one) is attended in fp8 where the device has the path; fp4
+        matmul units do not run attention."""
+        if self.kv_bytes == 1:
+            return "float8" if "float8" in self.hardware.peak_flop_s else "bfloat16"
+        return self.dtype
 
 
 @dataclass(frozen=True)
@@ -347,15 +357,16 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWo
 
 
 def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> _StageParts:
-    eff, work = dep.efficiency, _stage_work(dep, stage, load)
-    peak_flop_s = dep.hardware.peak_flop_s_for(dep.dtype)
-    mem_bw = dep.hardware.memory_bandwidth_bytes_s * eff.memory
+    eff, work, hw = dep.efficiency, _stage_work(dep, stage, load), dep.hardware
+    peak_flop_s, attention_peak_flop_s = hw.peak_flop_s_for(dep.dtype), hw.peak_flop_s_for(dep.attention_dtype)
     prefill_attention_flops = work.attention_flops - work.decode_attention_flops
     return _StageParts(
-        gemm_s=work.gemm_flops / (peak_flop_s * eff.gemm), weight_s=work.weight_bytes / mem_bw,
-        attention_s=(prefill_attention_flops / (peak_flop_s * eff.attention)
-                     + work.decode_attention_flops / (peak_flop_s * eff.decode_attention_factor)),
-        kv_s=work.kv_bytes / mem_bw, comm_s=_stage_comm_s(dep, stage, index, load), overlap=eff.overlap,
+        gemm_s=work.gemm_flops / (peak_flop_s * eff.gemm),
+        weight_s=work.weight_bytes / (hw.memory_bandwidth_bytes_s * eff.memory),
+        attention_s=(prefill_attention_flops / (attention_peak_flop_s * eff.attention)
+                     + work.decode_attention_flops / (attention_peak_flop_s * eff.decode_attention_factor)),
+        kv_s=work.kv_bytes / (hw.memory_bandwidth_bytes_s * eff.kv_memory_factor),
+        comm_s=_stage_comm_s(dep, stage, index, load), overlap=eff.overlap,
     )
 
 

@@ -12,7 +12,7 @@ optional (a missing one keeps the prior):
           "dtype": "float32",
           "gemm": 0.62, "attention": 0.45, "memory": 0.83, "network": 0.7,
           "step_overhead_s": 0.0015, "seq_overhead_s": 4e-05, "token_overhead_s": 2e-06,
-          "decode_attention": 0.2, "overlap": 0.3,
+          "decode_attention": 0.2, "overlap": 0.3, "kv_memory": 0.6,
           "num_samples": 24,
           "step_time_mape": 0.08,
           "hardware": {"name": "this host", "vendor": "measured", "peak_flop_s": {"float32": 1.9e11}, ...}
@@ -24,6 +24,7 @@ Versions: "/1" has the four factors and `step_overhead_s`; "/2" adds `seq_overhe
 `token_overhead_s` (host work per sequence and per new token of a step: scheduling, input
 preparation, sampling, detokenization, and the elementwise work the roofline leaves out),
 `decode_attention` (the attention factor of decode tokens; null: same as `attention`),
+`kv_memory` (the memory factor of KV-cache reads; null: same as `memory`),
 `overlap` (1: the classic roofline max of compute and memory time; lower: part of the shorter
 adds on, as on a CPU) and the optional `hardware` object. Both versions are read; the fields a
 "/1" file lacks keep the defaults a "/1" fit assumed (0, null, 1).
@@ -53,7 +54,8 @@ CALIBRATION_FORMAT = "shardserve-efficiency/2"
 READABLE_FORMATS = ("shardserve-efficiency/1", CALIBRATION_FORMAT)
 _FACTORS = ("gemm", "attention", "memory", "network")
 _OVERHEADS = ("step_overhead_s", "seq_overhead_s", "token_overhead_s")
-_V2_FIELDS = ("decode_attention", "overlap")
+_V2_FIELDS = ("decode_attention", "overlap", "kv_memory")
+_OPTIONAL = ("decode_attention", "kv_memory")  # null: the factor they refine
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,10 @@ class Efficiency:
     different, memory-streaming kernel from a prefill chunk's); None uses `attention`.
     `overlap` is how much of the shorter of an op class's compute and memory time hides under
     the longer (cost_model.roof_s): 1 is the classic roofline (a GPU streams weights while its
-    tensor cores run); a CPU's fitted overlap is lower, its time nearer the sum of the two."""
+    tensor cores run); a CPU's fitted overlap is lower, its time nearer the sum of the two.
+    `kv_memory` is the memory factor of KV-cache reads: paged, per-sequence and scattered in
+    pages, they stream at another rate than the weights' long contiguous reads; None uses
+    `memory`."""
 
     gemm: float = 0.7
     attention: float = 0.5
@@ -86,6 +91,7 @@ class Efficiency:
     token_overhead_s: float = 0.0
     decode_attention: float | None = None
     overlap: float = 1.0
+    kv_memory: float | None = None
     calibrated: bool = False
     source: str = ""  # where calibrated factors came from
     step_time_mape: float | None = None  # the fit's own error on the profiled steps
@@ -98,14 +104,20 @@ class Efficiency:
         for name in _OVERHEADS:
             if getattr(self, name) < 0:
                 raise ConfigError(f"Efficiency.{name} must be >= 0")
-        if self.decode_attention is not None and not 0 < self.decode_attention <= 1:
-            raise ConfigError(f"Efficiency.decode_attention must be in (0, 1], got {self.decode_attention}")
+        for name in _OPTIONAL:
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ConfigError(f"Efficiency.{name} must be in (0, 1], got {value}")
         if not 0 <= self.overlap <= 1:
             raise ConfigError(f"Efficiency.overlap must be in [0, 1], got {self.overlap}")
 
     @property
     def decode_attention_factor(self) -> float:
         return self.attention if self.decode_attention is None else self.decode_attention
+
+    @property
+    def kv_memory_factor(self) -> float:
+        return self.memory if self.kv_memory is None else self.kv_memory
 
     def overhead_s(self, num_seqs: float, num_tokens: float) -> float:
         """Host time of a step of `num_seqs` sequences computing `num_tokens` new tokens."""
@@ -157,7 +169,7 @@ def _device_efficiency(name: str, entry: Any, source: str) -> Efficiency:
         raise ConfigError(f"calibration: device {name!r} must map to an object of factors")
     values: dict[str, Any] = {}
     for key in (*_FACTORS, *_OVERHEADS, *_V2_FIELDS, "step_time_mape"):
-        if key in entry and not (key == "decode_attention" and entry[key] is None):
+        if key in entry and not (key in _OPTIONAL and entry[key] is None):
             value = entry[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"calibration: device {name!r} field {key!r} is not a number: {value!r}")

@@ -9,7 +9,8 @@ from shardserve.planner.hardware import (
     CATALOG_PATH, apply_what_if, get_hardware, load_catalog, measure_this_host,
 )
 
-REQUIRED = ["H100 SXM", "H200", "B200", "A100 80GB", "L40S", "MI300X", "TPU v5e", "TPU v5p", "Trainium2"]
+REQUIRED = ["H100 SXM", "H200", "B200", "A100 80GB", "L40S", "MI300X", "TPU v5e", "TPU v5p", "Trainium2",
+            "GB200", "H800", "RTX PRO 6000", "A100 40GB"]
 
 
 def test_catalog_has_required_devices_with_sources():
@@ -30,6 +31,16 @@ def test_datasheet_figures_spot_check():
         get_hardware("A100 80GB").peak_flop_s_for("float8")
 
 
+def test_blackwell_and_export_parts():
+    gb200, h800 = get_hardware("gb200"), get_hardware("h800")
+    # one NVLink domain of 72 GPUs, fp4 at twice fp8; the H800 is an H100 with a third less NVLink
+    assert gb200.devices_per_node == 72 and gb200.peak_flop_s["float4"] == 2 * gb200.peak_flop_s["float8"]
+    assert h800.peak_flop_s == get_hardware("h100").peak_flop_s
+    assert h800.intra_node_bandwidth_bytes_s < get_hardware("h100").intra_node_bandwidth_bytes_s
+    assert get_hardware("a100-40gb").memory_bytes == 40 * 2**30
+    assert "float4" in get_hardware("rtx-pro-6000").peak_flop_s
+
+
 def test_memory_is_what_the_device_has_in_binary_units():
     """The datasheets' "80 GB" of HBM is 80 GiB: 85.9e9 bytes, 5.9 GB more than 80e9 (a 70B
     fp8 model on one H100 has 40% more room for KV than decimal bytes give)."""
@@ -40,7 +51,9 @@ def test_memory_is_what_the_device_has_in_binary_units():
 
 @pytest.mark.parametrize("alias,name", [("h100", "H100 SXM"), ("H100-sxm", "H100 SXM"), ("a100", "A100 80GB"),
                                         ("H100-SXM-80GB", "H100 SXM"), ("H200-SXM-141GB", "H200"),
-                                        ("A100-SXM4-80GB", "A100 80GB"),
+                                        ("A100-SXM4-80GB", "A100 80GB"), ("A100-40GB", "A100 40GB"),
+                                        ("GB200-NVL72", "GB200"), ("H800-SXM", "H800"),
+                                        ("rtx-pro-6000-blackwell", "RTX PRO 6000"),
                                         ("tpu_v5e", "TPU v5e"), ("trn2", "Trainium2"), ("mi300x", "MI300X")])
 def test_lookup_is_case_insensitive_with_aliases(alias, name):
     assert get_hardware(alias).name == name
