@@ -25,7 +25,7 @@
 4. Compare output throughput, TTFT p50/p90 and TPOT p50/p90 per level; relative error
    |simulated - measured| / measured. As a diagnosis, also the ratio of the trace's own step
    times (read off its chunk times) to the step clock's: over the total time of decode-only steps,
-   and the median over steps with a prompt.
+   and of steps with a prompt that also carried decodes.
 
 Run
     .venv/bin/python benchmarks/sim_accuracy.py [--calibration FILE] [--num-requests N] [--rates R1,R2]
@@ -171,15 +171,20 @@ def server_steps(records, prompt_lens: dict[int, int]) -> list[tuple[float, int,
     return steps
 
 
-def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: list[tuple[int, float, float]],
+def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: list[tuple[int, float, float, int]],
                    per_seq_s: float | None = None):
     """(decode scale, prompt scale, seconds per sequence) with measured = scale * model + per_seq * n.
-    decode_steps / prompt_steps: (sequences in the step, measured s, model s). Decode-only steps are
+    decode_steps: (sequences in the step, measured s, model s); prompt_steps the same and the
+    step's decodes. Decode-only steps are
     grouped by n and each group's means fitted: a request's time per output token sums its steps,
     the host's stalls included (fitted to medians, the simulator missed that tail and put TPOT
-    p50 up to 12% low). A decode-only step's time is all engine time; a step with a prompt may start on an
-    idle server, and the time read off the chunks then holds the idle wait: so the prompt scale is
-    the median ratio over prompt steps, the per-sequence part taken off. With `per_seq_s` given,
+    p50 up to 12% low). A decode-only step's time is all engine time; a step with a prompt and no
+    decodes may start on an idle server, and the time read off the chunks then holds the idle
+    wait; one that carries decodes cannot (the server was busy with them). So the prompt scale is
+    fitted on total time over the busy prompt steps, as the decode scale is (a mean: under load
+    their long tail is what queues build on; the median of all prompt steps left the high level's
+    TTFT p50 19% and TPOT p90 32% low in one run), and is the median over all prompt steps when
+    fewer than five were busy. The per-sequence part is taken off first. With `per_seq_s` given,
     only the scales are fitted."""
     groups: dict[int, list[tuple[float, float]]] = {}
     for n, measured_s, model_s in decode_steps:
@@ -198,7 +203,11 @@ def fit_step_costs(decode_steps: list[tuple[int, float, float]], prompt_steps: l
         per_seq_s, decode_scale = 0.0, None
     if decode_scale is None:  # the scale alone, over what the per-sequence cost leaves
         decode_scale = np.sum(weights * model * (measured - per_seq_s * sizes)) / np.sum(weights * model**2)
-    prompt_scale = float(np.median([(m - per_seq_s * n) / c for n, m, c in prompt_steps]))
+    busy = [(n, m, c) for n, m, c, decodes in prompt_steps if decodes > 0]
+    if len(busy) >= 5:
+        prompt_scale = sum(m - per_seq_s * n for n, m, _ in busy) / sum(c for *_, c in busy)
+    else:
+        prompt_scale = float(np.median([(m - per_seq_s * n) / c for n, m, c, _ in prompt_steps]))
     return float(decode_scale), float(prompt_scale), float(per_seq_s)
 
 
@@ -247,8 +256,8 @@ def level_probe(rate_qps: float, level_index: int, after: bool):
 
 def probe_steps(base_url: str, clock, specs) -> tuple[list, list]:
     """Send the requests (arrival times as given) and read every step off their chunk times:
-    (decode-only steps, steps with a prompt), each (sequences in the step, measured s, model s)
-    as fit_step_costs takes them."""
+    (decode-only steps, steps with a prompt), each (sequences in the step, measured s, model s),
+    the prompt steps with their decodes too, as fit_step_costs takes them."""
     from shardserve.bench.client import run_benchmark
     from shardserve.bench.stats import LoadLevel
 
@@ -257,7 +266,10 @@ def probe_steps(base_url: str, clock, specs) -> tuple[list, list]:
     decode_steps, prompt_steps = [], []
     for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
         row = (decodes + len(prompts), duration_s, clock.step_s(decodes, context_sum, prompts))
-        (prompt_steps if prompts else decode_steps).append(row)
+        if prompts:
+            prompt_steps.append((*row, decodes))
+        else:
+            decode_steps.append(row)
     return decode_steps, prompt_steps
 
 
@@ -271,18 +283,19 @@ def model_clock(calibration: Path, costs: tuple[float, float, float] = (1.0, 1.0
 
 def trace_step_ratios(result, specs, calibration: Path, costs: tuple[float, float, float]) -> dict[str, float]:
     """Diagnosis only (nothing is fitted to it): measured / predicted step time over the trace's own
-    steps, as read off its chunk times, as the fit takes them: the total time of decode-only steps,
-    the median ratio of steps with a prompt; the predictions are the step clock the simulator runs on."""
+    steps, as read off its chunk times, as the fit takes them: the total time of decode-only steps
+    and of prompt steps that carried decodes (the server was busy); the predictions are the step
+    clock the simulator runs on."""
     clock = model_clock(calibration, costs)
     prompt_lens = {i: spec.prompt_len for i, spec in enumerate(specs)}
-    decode, prompt = np.zeros(2), []
+    decode, prompt = np.zeros(2), np.zeros(2)
     for duration_s, decodes, context_sum, prompts in server_steps(result.records, prompt_lens):
         predicted_s = clock.step_s(decodes, context_sum, prompts)
-        if prompts:
-            prompt.append(duration_s / predicted_s)
-        else:
+        if prompts and decodes:
+            prompt += (duration_s, predicted_s)
+        elif not prompts:
             decode += (duration_s, predicted_s)
-    return {"decode": float(decode[0] / decode[1]), "prompt": float(np.median(prompt))}
+    return {"decode": float(decode[0] / decode[1]), "prompt": float(prompt[0] / max(prompt[1], 1e-12))}
 
 
 def metrics_of(result) -> dict[str, float]:
@@ -380,7 +393,7 @@ def main() -> None:
             print(f"{name:<6}{metric:<14}{real_m[metric]:>12.2f}{sim_m[metric]:>12.2f}{error:>12.1%}")
     for name, ratios in zip(LEVEL_NAMES, step_ratios):
         print(f"{name}: the trace's own steps, measured / step clock: decode-only x{ratios['decode']:.3f} (total "
-              f"time), with a prompt x{ratios['prompt']:.3f} (median)")
+              f"time), with a prompt and decodes x{ratios['prompt']:.3f} (total time)")
     values = list(errors.values())
     summary = {"median_error": round(float(np.median(values)), 4), "max_error": round(max(values), 4), **errors,
                "rates_qps": rates, "num_requests_per_level": args.num_requests,

@@ -3,10 +3,16 @@ byte-level BPE tokenizer trained here, so nothing is downloaded."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels (shardserve/layers/gpu_kernels) run in Triton's interpreter on
+# the CPU tensors the tests pass; the flag must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TRAINING_TEXT = (
     "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "

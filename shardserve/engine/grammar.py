@@ -166,5 +166,6 @@ _BIT = torch.arange(32, dtype=torch.int32)
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, every logit whose bit is 0 in its row's mask (bit j of word w is
     token 32w + j, llguidance's and xgrammar's layout)."""
-    allowed = ((bitmask.unsqueeze(-1) >> _BIT) & 1).flatten(1)[:, : logits.shape[-1]].bool()
+    bitmask = bitmask.to(logits.device, non_blocking=True)  # llguidance fills host memory
+    allowed = ((bitmask.unsqueeze(-1) >> _BIT.to(logits.device)) & 1).flatten(1)[:, : logits.shape[-1]].bool()
     logits.masked_fill_(~allowed, float("-inf"))

@@ -125,7 +125,8 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, vocab] float32
         states = [self.states[r] for r in inputs.sample_req_ids]
-        return dict(zip(inputs.sample_req_ids, sample(logits.cpu(), states, self.grammar_masks(states))))
+        # sampled where the logits are: no per-step copy of [N, vocab] to the host, one of N ids
+        return dict(zip(inputs.sample_req_ids, sample(logits, states, self.grammar_masks(states))))
 
     def grammar_masks(self, states: list[SamplingState]) -> torch.Tensor | None:
         """The allowed-token bitmask of each state (None when no state has a grammar). A state's

@@ -76,11 +76,11 @@ def sample(logits: torch.Tensor, states: list[SamplingState], bitmask: torch.Ten
     token_ids = greedy_tokens(logits)
     random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
     if random_rows:
-        index = torch.tensor(random_rows)
+        index = torch.tensor(random_rows, device=logits.device)
         probs = _probabilities(logits[index], [states[i].params for i in random_rows])
         cdf = probs.double().cumsum(dim=-1)  # float64: 49k float32 partial sums would drift
         u = torch.tensor([draw_uniform(states[i].seed, len(states[i].token_ids)) for i in random_rows],
-                         dtype=torch.float64).unsqueeze(1)
+                         dtype=torch.float64, device=logits.device).unsqueeze(1)
         # the first token whose cumulative mass exceeds u * total; a zero-probability token never
         # is one (the cdf does not rise there)
         drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
@@ -95,13 +95,13 @@ def sample(logits: torch.Tensor, states: list[SamplingState], bitmask: torch.Ten
 def _apply_penalties(logits: torch.Tensor, state: SamplingState) -> None:
     params = state.params
     if params.repetition_penalty != 1:  # HF / CTRL style, over prompt and output tokens
-        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and state.num_output_tokens:
         counts = _output_counts(state)
-        ids = torch.tensor(list(counts), dtype=torch.long)
-        freq = torch.tensor(list(counts.values()), dtype=logits.dtype)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
         logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
 
 
@@ -120,35 +120,36 @@ def _mask_early_stop(logits: torch.Tensor, state: SamplingState) -> None:
     if not state.params.ignore_eos:
         banned |= set(state.eos_token_ids)
     if banned:
-        logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+        logits[torch.tensor(sorted(banned), dtype=torch.long, device=logits.device)] = float("-inf")
 
 
 def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[R, vocab] logits -> probabilities after temperature, top-k, top-p and min-p."""
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
     logits = logits / temperature
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
         vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device).clamp(max=vocab)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device).unsqueeze(1)
     if (top_p < 1).any():
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep a token if the mass strictly before it is below top_p (the top token always stays)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device).unsqueeze(1)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _attach_logprobs(logits, tokens: list[SampledToken], states, rows: list[int]) -> None:
-    index = torch.tensor(rows)
+    index = torch.tensor(rows, device=logits.device)
     logprobs = torch.log_softmax(logits[index], dim=-1)
     vocab_size = logits.shape[-1]
     wanted = [vocab_size if states[i].params.logprobs == -1 else states[i].params.logprobs for i in rows]

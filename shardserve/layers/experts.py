@@ -1,6 +1,7 @@
 """The routed experts of one MoE layer: stacked SwiGLU weights and the per-expert loop.
 
-Single-rank math, no collectives. The layer holds `num_local_experts` slots; `local_slots` maps a
+Single-rank math, no collectives. On a GPU the routed experts are two grouped Triton GEMMs
+(layers/gpu_kernels/fused_moe.py); elsewhere a loop over the experts a step's tokens picked. The layer holds `num_local_experts` slots; `local_slots` maps a
 global expert id to its slot, and experts absent from the map contribute zero. Expert parallelism
 gives each rank a different map (shardserve/parallel/expert.py); tensor parallelism gives each
 rank the slice `intermediate_slice` = (start, length) of every expert's intermediate features,
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.layers.activation import silu_and_mul
+from shardserve.layers.gpu_kernels import triton_available
 from shardserve.layers.linear import copy_checked
 from shardserve.layers.lazy_tensor import as_lazy
 
@@ -47,6 +49,7 @@ class Experts(nn.Module):
                                  requires_grad=False)
         self.gate_up.weight_loader = self._load
         self.down.weight_loader = self._load
+        self._slot_table: tuple[dict, torch.Tensor] | None = None  # (local_slots it was built from, table)
 
     def _load(self, param: torch.Tensor, tensor: torch.Tensor, shard_id: tuple[int | None, int | None]) -> None:
         """shard_id = (expert_id, shard). expert_id None: `tensor` stacks all global experts
@@ -80,6 +83,11 @@ class Experts(nn.Module):
         """x [T, H]; topk_ids [T, k] global expert ids; topk_weights [T, k] float32 -> [T, H],
         sum over each token's local experts of weight * expert(x). Accumulates in float32."""
         num_tokens, top_k = topk_ids.shape
+        if x.device.type == "cuda" and triton_available():
+            from shardserve.layers.gpu_kernels.fused_moe import fused_experts
+
+            slots = self.slot_table(x.device)[topk_ids.flatten()]
+            return fused_experts(x, self.gate_up, self.down, slots, topk_weights.flatten(), top_k)
         out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
         # Group the T*k (token, choice) pairs by expert: pair p = token * k + choice.
         #   flat_ids: [e(0,0) e(0,1) e(1,0) ...] -- argsort --> pairs of expert 0 | expert 1 | ...
@@ -99,6 +107,16 @@ class Experts(nn.Module):
             h = F.linear(h, self.down[slot])  # [n, H]
             out.index_add_(0, tokens, h.float() * flat_weights.index_select(0, pairs)[:, None])
         return out.to(x.dtype)
+
+    def slot_table(self, device: torch.device) -> torch.Tensor:
+        """[num_experts] int64 on `device`: each global expert's local slot, -1 when not held here;
+        rebuilt when the placement changes (parallel/expert.py replaces `local_slots`)."""
+        if self._slot_table is None or self._slot_table[0] is not self.local_slots:
+            table = torch.full((self.num_experts,), -1, dtype=torch.int64)
+            for expert_id, slot in self.local_slots.items():
+                table[expert_id] = slot
+            self._slot_table = (self.local_slots, table.to(device))
+        return self._slot_table[1]
 
     def run_slots(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [n, H] rows, slots [n] the local slot to apply to each row -> [n, H], unweighted

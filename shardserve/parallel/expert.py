@@ -21,7 +21,7 @@ across the stage):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -130,6 +130,8 @@ class ExpertParallel:
 
     ep: GroupInfo
     placement: Placement
+    # where the routing tables live: the model's device (default: the one the model is built under)
+    device: torch.device = field(default_factory=torch.get_default_device)
 
     def __post_init__(self) -> None:
         self.num_experts = 1 + max(e for slots in self.placement for e in slots)
@@ -147,8 +149,8 @@ class ExpertParallel:
             for slot, expert in enumerate(slots):
                 replicas[expert].append(rank * self.slots_per_rank + slot)
         width = max(len(r) for r in replicas)
-        self.num_copies = torch.tensor([len(r) for r in replicas])
-        self.replica_table = torch.tensor([r + r[:1] * (width - len(r)) for r in replicas])
+        self.num_copies = torch.tensor([len(r) for r in replicas], device=self.device)
+        self.replica_table = torch.tensor([r + r[:1] * (width - len(r)) for r in replicas], device=self.device)
 
     def local_expert_ids(self) -> list[int]:
         return list(self.placement[self.ep.rank])
@@ -166,7 +168,7 @@ class ExpertParallel:
         weights, expert_ids = route(router(chunk), top_k, normalize)  # [t, k] each
         load.routed += torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
         # one replica per (token, choice) pair, alternating between replicas by token index
-        token_index = torch.arange(lo, hi).unsqueeze(1).expand_as(expert_ids)  # [t, k]
+        token_index = torch.arange(lo, hi, device=x.device).unsqueeze(1).expand_as(expert_ids)  # [t, k]
         copy = token_index % self.num_copies[expert_ids]
         target = self.replica_table[expert_ids, copy].flatten()  # [t*k] global slot ids
         order = target.argsort(stable=True)  # pairs grouped by destination rank
@@ -180,7 +182,7 @@ class ExpertParallel:
         slots = all_to_all(dest_slot, recv_splits, send_splits, self.ep)  # [m]
         load.processed += len(slots)
         results = all_to_all(experts.run_slots(rows, slots), send_splits, recv_splits, self.ep)  # [n, H]
-        out = torch.zeros(chunk.shape, dtype=torch.float32)  # [t, H]
+        out = torch.zeros(chunk.shape, dtype=torch.float32, device=x.device)  # [t, H]
         out.index_add_(0, pair_token, results.float() * weights.flatten()[order].unsqueeze(1))
         return all_gather_uneven(out.to(x.dtype), [b - a for a, b in zip(bounds, bounds[1:])], self.ep)
 

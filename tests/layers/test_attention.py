@@ -10,9 +10,11 @@ from shardserve.layers.attention.backend import attention_backend
 from shardserve.layers.attention.cpu_backend import CpuNativeAttention
 from shardserve.layers.attention.paged_kv import SeqSpan
 from shardserve.layers.attention.torch_backend import split_by_length
+from shardserve.layers.attention.triton_backend import TritonAttention
 
 BACKENDS = ["torch", pytest.param("cpu_native", marks=pytest.mark.skipif(
-    not CpuNativeAttention.available(), reason="no C++ toolchain for the native kernels"))]
+    not CpuNativeAttention.available(), reason="no C++ toolchain for the native kernels")),
+    pytest.param("triton", marks=pytest.mark.skipif(not TritonAttention.available(), reason="triton not installed"))]
 
 
 @dataclass

@@ -30,13 +30,18 @@ class AttentionBackend(Protocol):
 
 def attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
     """The backend `name`, or the fastest one for `device`: the native CPU kernels on a CPU
-    where they built, the torch reference path elsewhere."""
+    where they built, the Triton kernels on a GPU where Triton is installed, the torch reference
+    path elsewhere."""
     from shardserve.layers.attention.cpu_backend import CpuNativeAttention
     from shardserve.layers.attention.torch_backend import TorchAttention
+    from shardserve.layers.attention.triton_backend import TritonAttention
 
-    backends = {"torch": TorchAttention, "cpu_native": CpuNativeAttention}
+    backends = {"torch": TorchAttention, "cpu_native": CpuNativeAttention, "triton": TritonAttention}
     if name is None:
-        name = "cpu_native" if device.type == "cpu" and CpuNativeAttention.available() else "torch"
+        if device.type == "cpu":
+            name = "cpu_native" if CpuNativeAttention.available() else "torch"
+        else:
+            name = "triton" if device.type == "cuda" and TritonAttention.available() else "torch"
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(backends)}")
     return backends[name]()

@@ -134,7 +134,7 @@ def _prefill_attention(q, k, v, k_cache, v_cache, chunk: PrefillChunk, scale: fl
         values = gather_rows(v_cache, chunk.gather_ids).view(num_kv_heads, -1, head_dim)[:, : chunk.context_len]
         # query i sits at absolute position context_len - num_tokens + i
         offset = chunk.context_len - num_tokens
-        mask = torch.ones(num_tokens, chunk.context_len, dtype=torch.bool).tril(diagonal=offset)
+        mask = torch.ones(num_tokens, chunk.context_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
