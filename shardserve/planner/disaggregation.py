@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from shardserve.bench.stats import SLO
-from shardserve.config import ModelConfig
+from shardserve.config import ConfigError, ModelConfig
 from shardserve.planner.cost_model import Deployment, decode_step_time
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
@@ -127,53 +127,61 @@ def _pool(dep: Deployment, qps: float, capacity: float, latency) -> PoolOption |
 def plan_disaggregated(model: ModelConfig, devices: list[tuple[Hardware, Efficiency]], workload: Workload,
                        slo: SLO, dtype: str = "bfloat16", space: SearchSpace = SearchSpace()) -> DisaggregatedPlan | None:
     """The cheapest prefill pool meeting slo.ttft_ms and decode pool meeting slo.tpot_ms for
-    `workload` (Poisson, `qps`), over every layout of every device; None when either pool has
-    no layout that fits and keeps up."""
+    `workload` (an arrival rate, `qps`), over every layout of every device; None when either pool
+    has no layout that fits and keeps up."""
     if workload.qps is None:
         return None
-    qps, budget = workload.qps, space.max_num_batched_tokens
-    best_prefill: PoolOption | None = None
-    best_decode: PoolOption | None = None
-    transfer_of: dict[int, float] = {}
+    qps = workload.qps
+    ttft_target = slo.ttft_ms / 1e3 if slo.ttft_ms is not None else math.inf
+    tpot_target = slo.tpot_ms / 1e3 if slo.tpot_ms is not None else math.inf
+    best: dict[str, PoolOption] = {}
     for hw, efficiency in devices:
         if dtype not in hw.peak_flop_s or hw.inter_node_bandwidth_bytes_s <= 0:
             continue
         for par in candidate_layouts(model, hw, space.max_nodes_per_replica):
-            dep = Deployment(model, par, hw, dtype, efficiency)
-            kv_tokens = max_batch_tokens(model, par, hw, dep.dtype_bytes, space.mem_fraction, dep.kv_bytes)
-            kv_seqs = max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
-            if kv_seqs < 1:
+            try:
+                pools = _pools(Deployment(model, par, hw, dtype, efficiency), workload, space, ttft_target, tpot_target)
+            except ConfigError:  # e.g. a measured host without the links this layout needs
                 continue
-            replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, budget,
-                                   workload.arrival_cv2)
-            transfer_s = kv_transfer_s(dep, workload.input_len)
-            transfer_of[id(dep)] = transfer_s
-
-            def ttft(rate: float, replica=replica, transfer_s=transfer_s) -> float:
-                return prefill_ttft_s(replica, rate, transfer_s)
-
-            def tpot(rate: float, replica=replica) -> float:
-                return decode_tpot_s(replica, rate)
-
-            ttft_target = slo.ttft_ms / 1e3 if slo.ttft_ms is not None else math.inf
-            tpot_target = slo.tpot_ms / 1e3 if slo.tpot_ms is not None else math.inf
-            saturation = replica.prefill_saturation_qps()
-            prefill = _pool(dep, qps, highest_rate(lambda r: ttft(r) <= ttft_target, saturation), ttft)
-            decode_hi = min(replica.max_num_seqs, budget) / ((workload.output_len - 1 or 1)
-                                                            * decode_step_time(dep, 1, workload.input_len).total_s)
-            decode = _pool(dep, qps, highest_rate(lambda r: tpot(r) <= tpot_target, decode_hi), tpot)
-            if prefill and (best_prefill is None or _cost(prefill) < _cost(best_prefill)):
-                best_prefill = prefill
-            if decode and (best_decode is None or _cost(decode) < _cost(best_decode)):
-                best_decode = decode
-    if best_prefill is None or best_decode is None:
+            for name, pool in pools.items():
+                if pool is not None and (name not in best or _cost(pool) < _cost(best[name])):
+                    best[name] = pool
+    if len(best) < 2:
         return None
-    cost_per_hour = _cost(best_prefill) + _cost(best_decode)
+    prefill, decode = best["prefill"], best["decode"]
+    cost_per_hour = _cost(prefill) + _cost(decode)
     return DisaggregatedPlan(
-        prefill=best_prefill, decode=best_decode,
-        kv_transfer_ms=transfer_of[id(best_prefill.deployment)] * 1e3,
+        prefill=prefill, decode=decode, kv_transfer_ms=kv_transfer_s(prefill.deployment, workload.input_len) * 1e3,
         cost_per_million_tokens=cost_per_hour / (qps * workload.output_len * 3600) * 1e6,
-        ttft_ms=best_prefill.latency_s * 1e3, tpot_ms=best_decode.latency_s * 1e3)
+        ttft_ms=prefill.latency_s * 1e3, tpot_ms=decode.latency_s * 1e3)
+
+
+def _pools(dep: Deployment, workload: Workload, space: SearchSpace, ttft_target: float,
+           tpot_target: float) -> dict[str, PoolOption | None]:
+    """This layout as a prefill pool and as a decode pool (None where it fits no sequence or
+    misses the target at any rate)."""
+    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction,
+                                 dep.kv_bytes)
+    kv_seqs = max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
+    if kv_seqs < 1:
+        return {}
+    replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, space.max_num_batched_tokens,
+                           workload.arrival_cv2)
+    transfer_s = kv_transfer_s(dep, workload.input_len)
+
+    def ttft(rate: float) -> float:
+        return prefill_ttft_s(replica, rate, transfer_s)
+
+    def tpot(rate: float) -> float:
+        return decode_tpot_s(replica, rate)
+
+    # no decode rate is stable past n = lam (O - 1) t_decode(1) at the largest batch a step carries
+    decode_hi = min(kv_seqs, space.max_num_batched_tokens) / (
+        max(1, workload.output_len - 1) * decode_step_time(dep, 1, workload.input_len).total_s)
+    qps = workload.qps
+    return {"prefill": _pool(dep, qps, highest_rate(lambda r: ttft(r) <= ttft_target,
+                                                    replica.prefill_saturation_qps()), ttft),
+            "decode": _pool(dep, qps, highest_rate(lambda r: tpot(r) <= tpot_target, decode_hi), tpot)}
 
 
 def _cost(pool: PoolOption) -> float:
