@@ -53,9 +53,9 @@ from shardserve.config import ConfigError, ParallelConfig
 from shardserve.planner.cost_model import Deployment
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import get_hardware, load_catalog
-from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit
 from shardserve.planner.model_presets import preset
-from shardserve.planner.replica_model import ReplicaModel
+from shardserve.planner.replica_model import ReplicaModel, Workload
+from shardserve.planner.search import SearchSpace, kv_capacity_seqs
 
 HERE = Path(__file__).resolve().parent
 MAX_BATCH, MIN_BUDGET, MAX_BUDGET = 4096, 2048, 32768  # trtllm-bench's bounds on its derived limits
@@ -166,8 +166,7 @@ def expressible(row: dict, catalog) -> tuple[Case | None, str]:
 def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
     dep = dataclasses.replace(case.deployment, efficiency=efficiency)
     par = dep.parallel
-    kv_tokens = max_batch_tokens(dep.model, par, dep.hardware, dep.dtype_bytes, 0.9, dep.kv_bytes)
-    kv_seqs = max_num_seqs_that_fit(kv_tokens, case.isl + case.osl)
+    kv_seqs = kv_capacity_seqs(dep, Workload(case.isl, case.osl, qps=1.0), SearchSpace())
     if kv_seqs < 1:
         return {}
     if case.max_batch is not None:  # per attention group, as the engine's max_batch_size is per rank

@@ -1,7 +1,8 @@
 """The routed experts of one MoE layer: stacked SwiGLU weights and the per-expert loop.
 
 Single-rank math, no collectives. On a GPU the routed experts are two grouped Triton GEMMs
-(layers/gpu_kernels/fused_moe.py); elsewhere a loop over the experts a step's tokens picked. The layer holds `num_local_experts` slots; `local_slots` maps a
+(layers/gpu_kernels/fused_moe.py); elsewhere a loop over the experts a step's tokens picked.
+The layer holds `num_local_experts` slots; `local_slots` maps a
 global expert id to its slot, and experts absent from the map contribute zero. Expert parallelism
 gives each rank a different map (shardserve/parallel/expert.py); tensor parallelism gives each
 rank the slice `intermediate_slice` = (start, length) of every expert's intermediate features,

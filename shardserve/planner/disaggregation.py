@@ -30,9 +30,8 @@ from shardserve.config import ConfigError, ModelConfig
 from shardserve.planner.cost_model import Deployment, decode_step_time
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit
 from shardserve.planner.replica_model import ReplicaModel, Workload, highest_rate
-from shardserve.planner.search import PlanRow, SearchSpace, candidate_layouts, layout_label
+from shardserve.planner.search import PlanRow, SearchSpace, candidate_layouts, kv_capacity_seqs, layout_label
 
 _MAX_ITERATIONS = 200
 
@@ -160,9 +159,7 @@ def _pools(dep: Deployment, workload: Workload, space: SearchSpace, ttft_target:
            tpot_target: float) -> dict[str, PoolOption | None]:
     """This layout as a prefill pool and as a decode pool (None where it fits no sequence or
     misses the target at any rate)."""
-    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction,
-                                 dep.kv_bytes)
-    kv_seqs = max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
+    kv_seqs = kv_capacity_seqs(dep, workload, space)
     if kv_seqs < 1:
         return {}
     replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, space.max_num_batched_tokens,

@@ -26,9 +26,8 @@ from shardserve.config import ConfigError, ModelConfig
 from shardserve.planner.cost_model import Deployment
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.memory_fit import max_batch_tokens, max_num_seqs_that_fit
 from shardserve.planner.replica_model import ReplicaModel, ReplicaPrediction, Workload
-from shardserve.planner.search import SearchSpace, candidate_layouts, check_context_fits, layout_label
+from shardserve.planner.search import SearchSpace, candidate_layouts, check_context_fits, kv_capacity_seqs, layout_label
 
 
 @dataclass(frozen=True)
@@ -113,9 +112,7 @@ def fleet_options(demands: list[FleetDemand], pool: list[PoolDevice], dtype: str
             for par in candidate_layouts(demand.model, device.hardware, space.max_nodes_per_replica):
                 try:
                     dep = Deployment(demand.model, par, device.hardware, dtype, device.efficiency)
-                    kv_tokens = max_batch_tokens(dep.model, par, dep.hardware, dep.dtype_bytes, space.mem_fraction,
-                                                 dep.kv_bytes)
-                    kv_seqs = max_num_seqs_that_fit(kv_tokens, wl.input_len + wl.output_len, space.block_size)
+                    kv_seqs = kv_capacity_seqs(dep, wl, space)
                     if kv_seqs < 1:
                         continue
                     replica = ReplicaModel(dep, wl.input_len, wl.output_len, kv_seqs, space.max_num_batched_tokens,

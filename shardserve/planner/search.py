@@ -166,13 +166,18 @@ def _fewest_replicas(replica: ReplicaModel, qps: float, slo: SLO | None, capacit
     return replicas
 
 
+def kv_capacity_seqs(dep: Deployment, workload: Workload, space: SearchSpace) -> int:
+    """Sequences of the workload's isl + osl tokens whose KV one replica of `dep` holds."""
+    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction,
+                                 dep.kv_bytes)
+    return max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
+
+
 def plan_layout(dep: Deployment, workload: Workload, slo: SLO, space: SearchSpace) -> list[PlanRow]:
     """Rows for one layout: first the fewest replicas (the ranked row), then larger counts
     (Pareto candidates). One row with fits=False when the model does not fit."""
     budget = space.max_num_batched_tokens
-    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction,
-                                 dep.kv_bytes)
-    kv_seqs = max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
+    kv_seqs = kv_capacity_seqs(dep, workload, space)
     if kv_seqs < 1:
         return [_row(dep, workload, 0, None, 0, False, "does not fit in memory", budget)]
     replica = ReplicaModel(dep, workload.input_len, workload.output_len, kv_seqs, space.max_num_batched_tokens,
