@@ -1,4 +1,4 @@
-"""Offline throughput: shardserve vs Hugging Face transformers `generate` on the same model.
+"""Offline throughput: shardserve vs Hugging Face transformers `generate` and vLLM's `LLM.generate`.
 
 What it measures
     Output tokens per second on two fixed-seed workloads of random token-id prompts (ids in
@@ -29,12 +29,20 @@ Method
     B * C * KV bytes per token, C the mean context of the timed steps; matmul FLOP/s is a
     2048^3 torch.mm in the run's dtype, bandwidth a float32 1 GiB copy (read + write), both
     medians. Efficiency = bound / measured step; the target is >= 50% at batch 32.
+    Prefill efficiency: one 1,024-token random prompt alone in the engine, from add_request to
+    its first token (median of 3 after a warm-up), as FLOP/s (every layer's linears on every
+    token, the LM head on the last, causal QK^T and PV) over the same run's matmul FLOP/s
+    (`prefill_efficiency_1024`; target >= 50%).
+    vLLM: `LLM(folder, dtype, max_model_len=2048).generate` on the same prompts (token ids),
+    greedy with ignore_eos, after a 4-token warm-up, in vLLM's own venv (benchmarks/
+    vllm_reference.py; the folder holds the embedded GGUF's weights as safetensors), once per
+    thread binding (`VLLM_CPU_OMP_THREADS_BIND` auto and 0-1); the faster on uniform counts.
     Each system runs in its own child process ("spawn" start method, results through a queue)
     so that `ru_maxrss` is that system's own peak RSS; the parent imports neither torch nor
     shardserve, because a spawned child inherits the parent's RSS high-water mark at fork time.
 
 Run
-    .venv/bin/python benchmarks/offline_throughput.py [--dtype float32] [--quick] [--skip-hf]
+    .venv/bin/python benchmarks/offline_throughput.py [--dtype float32] [--quick] [--skip-hf] [--skip-vllm]
 
     --quick runs a small version (8 requests, 32-token prompts and outputs, HF at batch 8 only,
     decode efficiency at batch 8, a 256 MiB bandwidth test) in under a minute. The table goes to
@@ -83,6 +91,7 @@ class Settings:
     decode_prompt_len: int
     decode_warmup_steps: int
     decode_timed_steps: int
+    prefill_reps: int  # timed 1,024-token prefills (after one warm-up)
     matmul_n: int
     matmul_reps: int
     bandwidth_bytes: int
@@ -94,14 +103,14 @@ FULL = Settings(
     mixed_prompt_range=(16, 512), mixed_output_range=(16, 256), warmup_requests=8,
     hf_batch_sizes=(1, 8, 32), hf_batch1_requests=8,
     decode_batch_sizes=(32, 128), decode_prompt_len=128, decode_warmup_steps=3, decode_timed_steps=10,
-    matmul_n=2048, matmul_reps=5, bandwidth_bytes=GIB, bandwidth_reps=5,
+    prefill_reps=3, matmul_n=2048, matmul_reps=5, bandwidth_bytes=GIB, bandwidth_reps=5,
 )
 QUICK = Settings(
     num_requests=8, uniform_prompt_len=32, uniform_output_len=32,
     mixed_prompt_range=(16, 64), mixed_output_range=(8, 32), warmup_requests=4,
     hf_batch_sizes=(8,), hf_batch1_requests=8,
     decode_batch_sizes=(8,), decode_prompt_len=128, decode_warmup_steps=2, decode_timed_steps=5,
-    matmul_n=2048, matmul_reps=3, bandwidth_bytes=256 * MIB, bandwidth_reps=3,
+    prefill_reps=1, matmul_n=2048, matmul_reps=3, bandwidth_bytes=256 * MIB, bandwidth_reps=3,
 )
 
 
@@ -306,9 +315,42 @@ def decode_bound(model_config, dtype_bytes: int, batch_size: int, context_tok: f
             "memory_bound_s": memory_s, "bound_s": max(compute_s, memory_s)}
 
 
+PREFILL_TOKENS = 1024
+
+
+def prefill_time(engine, num_tokens: int, reps: int) -> float:
+    """Median wall time from adding one `num_tokens` prompt to its first token (alone in the engine)."""
+    from shardserve.request import SamplingParams
+
+    rng = random.Random(2000 + num_tokens)
+    times_s = []
+    for rep in range(reps + 1):  # the first run warms up this shape
+        req = engine.add_request(f"prefill-{num_tokens}-{rep}", random_prompt(rng, num_tokens),
+                                 SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+        start_s = time.perf_counter()
+        while not req.output_token_ids:
+            engine.step()
+        times_s.append(time.perf_counter() - start_s)
+        engine.abort_request(req.req_id)
+    return statistics.median(times_s[1:])
+
+
+def prefill_flops(model_config, num_tokens: int) -> float:
+    """Matmul FLOPs of one causal prefill: every layer's linears on every token, the LM head on the
+    last one, and QK^T + PV over (i + 1) keys for token i."""
+    mc = model_config
+    attn_params = mc.hidden_size * mc.head_dim * (2 * mc.num_heads + 2 * mc.num_kv_heads)
+    layer_params = attn_params + 3 * mc.hidden_size * mc.intermediate_size
+    pairs = num_tokens * (num_tokens + 1) / 2
+    return (2 * num_tokens * mc.num_layers * layer_params + 2 * mc.vocab_size * mc.hidden_size
+            + 4 * pairs * mc.num_layers * mc.num_heads * mc.head_dim)
+
+
 def decode_efficiency(engine, dtype: str, settings: Settings) -> dict:
     import torch
 
+    log(f"shardserve: prefill timing at {PREFILL_TOKENS} tokens")
+    prefill_s = prefill_time(engine, PREFILL_TOKENS, settings.prefill_reps)
     steps = {}
     for batch_size in settings.decode_batch_sizes:
         log(f"shardserve: decode step timing at batch {batch_size}")
@@ -323,9 +365,31 @@ def decode_efficiency(engine, dtype: str, settings: Settings) -> dict:
     for batch_size, step in steps.items():
         bound = decode_bound(mc, dtype_bytes, batch_size, step["avg_context_tok"], flop_s, bandwidth_bytes_s)
         per_batch[str(batch_size)] = {**step, **bound, "efficiency": bound["bound_s"] / step["step_s"]}
-    return {"matmul_flop_s": flop_s, "bandwidth_bytes_s": bandwidth_bytes_s, "dtype_bytes": dtype_bytes,
+    prefill = {"num_tokens": PREFILL_TOKENS, "time_s": prefill_s, "flops": prefill_flops(mc, PREFILL_TOKENS)}
+    prefill["flop_s"] = prefill["flops"] / prefill_s
+    prefill["efficiency"] = prefill["flop_s"] / flop_s
+    return {"matmul_flop_s": flop_s, "bandwidth_bytes_s": bandwidth_bytes_s, "dtype_bytes": dtype_bytes, "prefill": prefill,
             "num_params": mc.num_params, "weights_bytes": mc.num_params * dtype_bytes,
             "kv_bytes_per_token": mc.kv_bytes_per_token(dtype_bytes), "per_batch": per_batch}
+
+
+# --- vLLM, in its own venv --------------------------------------------------------------------------
+def vllm_offline(args, workloads: dict[str, Workload]) -> dict:
+    """vLLM's LLM.generate on the same prompts (same weights, dtype): per bind, tok/s per workload;
+    `best` is the bind with the higher uniform throughput."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vllm_reference import BINDS, ensure_vllm, hf_folder, offline_generate
+
+    python, folder = ensure_vllm(), hf_folder()
+    jobs = {name: {"prompts": w.prompts, "output_lens": w.output_lens, "warmup_prompts": w.warmup_prompts}
+            for name, w in workloads.items()}
+    runs = {}
+    for bind in BINDS if args.vllm_bind == "both" else (args.vllm_bind,):
+        log(f"vllm: LLM.generate with VLLM_CPU_OMP_THREADS_BIND={bind} (compiles first: 1-3 min)")
+        runs[bind] = offline_generate(python, folder, args.dtype, jobs, bind)
+        log(f"vllm bind={bind}: " + ", ".join(f"{n} {r['tok_s']:.1f} tok/s" for n, r in runs[bind].items()))
+    best = max(runs, key=lambda b: runs[b]["uniform"]["tok_s"])
+    return {"best": best, "runs": runs, **runs[best]}
 
 
 # --- Hugging Face child ---------------------------------------------------------------------------
@@ -422,7 +486,7 @@ def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
             "mean_common_prefix_tok": statistics.fmean(prefix_lens), "compared_tok": COMPARED_TOKENS}
 
 
-def summarize(args, settings: Settings, ss: dict, hf: dict | None) -> dict:
+def summarize(args, settings: Settings, ss: dict, hf: dict | None, vllm: dict | None) -> dict:
     eff = ss["decode_efficiency"]
     limit_bytes = eff["weights_bytes"] + KV_CACHE_BYTES + RSS_HEADROOM_BYTES
     ss_rss_mib = ss["uniform"]["peak_rss_mib"]
@@ -434,9 +498,15 @@ def summarize(args, settings: Settings, ss: dict, hf: dict | None) -> dict:
         "shardserve_mixed_tok_s": ss["mixed"]["tok_s"],
         "hf_mixed_tok_s": hf["mixed"]["tok_s"] if hf else None,
         "hf_best_batch_size": hf["uniform"]["batch_size"] if hf else None,
+        "uniform_ratio_vs_vllm": ss["uniform"]["tok_s"] / vllm["uniform"]["tok_s"] if vllm else None,
+        "mixed_ratio_vs_vllm": ss["mixed"]["tok_s"] / vllm["mixed"]["tok_s"] if vllm else None,
+        "vllm_tok_s": vllm["uniform"]["tok_s"] if vllm else None,
+        "vllm_mixed_tok_s": vllm["mixed"]["tok_s"] if vllm else None,
+        "vllm_bind": vllm["best"] if vllm else None,
     }
     for bs, row in eff["per_batch"].items():
         result[f"decode_efficiency_b{bs}"] = row["efficiency"]
+    result["prefill_efficiency_1024"] = eff["prefill"]["efficiency"]
     target = eff["per_batch"].get(str(EFFICIENCY_TARGET_BATCH))
     result.update({
         "decode_efficiency_target_met": target["efficiency"] >= EFFICIENCY_TARGET if target else None,
@@ -464,6 +534,10 @@ def print_throughput_table(result: dict, ss: dict, hf: dict | None) -> None:
         print(f"{name:<9} {ss[name]['num_requests']:>8} {ss[name]['tok_s']:>17.1f} "
               f"{_fmt(h and h['tok_s']):>9} {_fmt(h and h['batch_size'], 'd'):>8} {waste:>8} "
               f"{_fmt(result[f'{name}_ratio_vs_hf'], '.2f'):>6}")
+    if result["vllm_tok_s"]:
+        print(f"vLLM LLM.generate (bind {result['vllm_bind']}): uniform {result['vllm_tok_s']:.1f} tok/s "
+              f"(ratio {result['uniform_ratio_vs_vllm']:.2f}), mixed {result['vllm_mixed_tok_s']:.1f} tok/s "
+              f"(ratio {result['mixed_ratio_vs_vllm']:.2f})")
     if hf:
         by_bs = ", ".join(f"b{bs}: {r['tok_s']:.1f}" + (f" ({r['num_requests']} req)" if bs == "1" else "")
                           for bs, r in hf["uniform"]["by_batch_size"].items())
@@ -492,6 +566,10 @@ def print_decode_efficiency(eff: dict) -> None:
         print(f"decode batch {bs:>3}: step {1e3 * row['step_s']:.2f} ms (median; mean "
               f"{1e3 * row['mean_step_s']:.2f}) at context {row['avg_context_tok']:.0f}, "
               f"bound {1e3 * row['bound_s']:.2f} ms ({limiter}), efficiency {100 * row['efficiency']:.0f}%")
+    pf = eff["prefill"]
+    print(f"prefill {pf['num_tokens']} tokens: {1e3 * pf['time_s']:.0f} ms (median), {pf['flop_s'] / 1e9:.1f} GFLOP/s, "
+          f"{100 * pf['efficiency']:.0f}% of the matmul's (target >= {100 * EFFICIENCY_TARGET:.0f}%: "
+          f"{'met' if pf['efficiency'] >= EFFICIENCY_TARGET else 'NOT met'})")
     target = eff["per_batch"].get(str(EFFICIENCY_TARGET_BATCH))
     if target is None:
         verdict = "not measured (--quick)"
@@ -501,7 +579,7 @@ def print_decode_efficiency(eff: dict) -> None:
     print(f"target: decode efficiency >= {100 * EFFICIENCY_TARGET:.0f}% at batch {EFFICIENCY_TARGET_BATCH}: {verdict}")
 
 
-def write_results(result: dict, args, settings: Settings, ss: dict, hf: dict | None) -> Path:
+def write_results(result: dict, args, settings: Settings, ss: dict, hf: dict | None, vllm: dict | None) -> Path:
     def strip(system: dict | None):
         if system is None:
             return None
@@ -510,7 +588,8 @@ def write_results(result: dict, args, settings: Settings, ss: dict, hf: dict | N
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     # A quick run gets its own file so it never overwrites the numbers of a full run.
     path = RESULTS_DIR / f"offline_throughput_{args.dtype}{'_quick' if args.quick else ''}.json"
-    details = {"settings": dataclasses.asdict(settings), "shardserve": strip(ss), "hf": strip(hf)}
+    details = {"settings": dataclasses.asdict(settings), "shardserve": strip(ss), "hf": strip(hf),
+               "vllm": vllm and vllm["runs"]}
     path.write_text(json.dumps({**result, "details": details}, indent=2) + "\n")
     return path
 
@@ -519,7 +598,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--quick", action="store_true", help="small smoke version, under a minute")
-    parser.add_argument("--skip-hf", action="store_true", help="run shardserve only")
+    parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--skip-vllm", action="store_true", help="leave vLLM's LLM.generate out")
+    parser.add_argument("--vllm-bind", choices=("auto", "0-1", "both"), default="both",
+                        help="vLLM's VLLM_CPU_OMP_THREADS_BIND; both: run each, compare the faster")
     return parser.parse_args(argv)
 
 
@@ -536,11 +618,16 @@ def main(argv=None) -> None:
         log("phase hf: start")
         hf = run_in_child(hf_child, dtype=args.dtype, workloads=workloads, settings=settings)
         log(f"phase hf: done ({time.perf_counter() - start_s:.0f} s)")
-    result = summarize(args, settings, ss, hf)
+    vllm = None
+    if not args.skip_vllm:
+        log("phase vllm: start")
+        vllm = vllm_offline(args, workloads)
+        log(f"phase vllm: done ({time.perf_counter() - start_s:.0f} s)")
+    result = summarize(args, settings, ss, hf, vllm)
     print_throughput_table(result, ss, hf)
     print_memory(result, ss)
     print_decode_efficiency(ss["decode_efficiency"])
-    path = write_results(result, args, settings, ss, hf)
+    path = write_results(result, args, settings, ss, hf, vllm)
     log(f"wrote {path} ({time.perf_counter() - start_s:.0f} s in all)")
     print("RESULT " + json.dumps(result))
 

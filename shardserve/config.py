@@ -283,6 +283,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     show_progress: bool = True
+    # CPU threads for the forward pass: None picks, step by step, the fastest of all the threads
+    # torch has, half of them and one (engine/thread_governor.py); a number fixes it
+    cpu_threads: int | None = None
     # where requests that leave sampling fields out take them from: "auto", the model's own
     # (generation_config.json; models/sampling_defaults.py), or "vllm", SamplingParams' defaults
     generation_config: str = "auto"
@@ -290,6 +293,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.parallel.dp_attention:
             raise ConfigError("dp_attention is a layout `shardserve plan` prices; the engine does not run it")
 

@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="CPU threads per step (default: measured, the fastest of all, half and one)")
     parser.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
                         help="defaults for sampling fields a request leaves out: the model's own "
                              "(generation_config.json) or vLLM's (temperature 1, top_p 1)")
@@ -51,7 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),
         num_redundant_experts=args.num_redundant_experts,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
-        comm_timeout_s=args.comm_timeout,
+        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads,
     )
 
 

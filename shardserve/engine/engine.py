@@ -23,6 +23,7 @@ from shardserve.engine.model_loader import LoadedModel
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.engine.scheduler import Scheduler
+from shardserve.engine.thread_governor import ThreadGovernor
 from shardserve.engine.worker import StepStats
 from shardserve.parallel.expert import ExpertLoadReport
 from shardserve.request import FinishReason, Request, RequestOutput, Resume, SamplingParams
@@ -31,9 +32,11 @@ from shardserve.request import FinishReason, Request, RequestOutput, Resume, Sam
 class LLMEngine:
     """A replica's engine: the scheduler, the output processor and an executor that runs steps."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, executor: Executor):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, executor: Executor,
+                 threads: ThreadGovernor | None = None):
         self.config = config
         self.executor = executor
+        self.threads = threads  # None: the thread count is left as it is
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.model_config
         self.max_model_len = loaded.max_model_len
@@ -108,6 +111,19 @@ class LLMEngine:
         """Re-place experts from the load observed so far, on the running replica (no restart)."""
         self.executor.rebalance_experts()
 
+    def warm_up(self) -> None:
+        """Run one tiny greedy request through a prefill and a few decodes, so that the first
+        user request does not pay for first calls (oneDNN's kernel selection, the thread pool's
+        start, lazy allocations). It fills less than one KV block, so the prefix cache keeps
+        nothing of it, and it draws no seed."""
+        num_prompt = max(1, self.block_manager.block_size // 2)
+        prompt = [self.model_config.vocab_size // 2] * num_prompt
+        params = SamplingParams(max_tokens=max(1, self.block_manager.block_size - num_prompt - 1),
+                                temperature=0, seed=0, ignore_eos=True)
+        req = self.add_request("shardserve-warm-up", prompt, params)
+        while not req.is_finished:
+            self.step()
+
     def keep_alive(self) -> None:
         self.executor.keep_alive()
 
@@ -117,12 +133,16 @@ class LLMEngine:
     # --- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self.threads:
+            self.threads.before_step()
         sched = self.scheduler.schedule()
         result = self.executor.execute(sched)
         updated = self.scheduler.update(sched, result)
         outputs = self.output_processor.process(updated, result.sampled, self._stop_at_string)
         batch = tuple((s.num_tokens, s.start_pos + s.num_tokens) for s in sched.seqs)
         self.last_step = StepRecord(batch, time.perf_counter() - start)
+        if self.threads:
+            self.threads.after_step(sum(n for n, _ in batch), self.last_step.duration_s)
         return outputs
 
     def _stop_at_string(self, req_id: str, stop: str) -> None:

@@ -11,11 +11,14 @@ Every command that builds an engine (`serve`, `generate`, `profile`, `LLM(...)`)
 """
 from __future__ import annotations
 
+import torch
+
 from shardserve.config import EngineConfig
 from shardserve.engine.engine import LLMEngine
 from shardserve.engine.executor import LocalExecutor, ParallelExecutor, run_worker_loop
 from shardserve.engine.model_loader import load_model
 from shardserve.engine.model_runner import ModelRunner
+from shardserve.engine.thread_governor import ThreadGovernor, ThreadPolicy, available_threads
 from shardserve.engine.worker import Worker
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.parallel.groups import ParallelGroups
@@ -27,7 +30,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     rank until the driver shuts down, then exits the process: it does not return there."""
     if config.parallel.world_size == 1:
         loaded = load_model(config)
-        return LLMEngine(config, loaded, LocalExecutor(ModelRunner.for_model(loaded)))
+        return LLMEngine(config, loaded, LocalExecutor(ModelRunner.for_model(loaded)), thread_governor(config))
     # a bad path or an impossible layout fails here, in one line, before any rank starts
     config.parallel.validate(load_checkpoint(config.model).config)
     ranks = start_ranks(config, run_worker)
@@ -40,6 +43,16 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise
     executor = ParallelExecutor(Worker(ModelRunner.for_model(loaded), ranks.groups), ranks)
     return LLMEngine(config, loaded, executor)
+
+
+def thread_governor(config: EngineConfig) -> ThreadGovernor | None:
+    """A single CPU process's thread governor: adaptive, or fixed at `cpu_threads`. Parallel ranks
+    keep the share of the cores parallel/launch.py gives each; a GPU's step does not depend on it."""
+    if config.device != "cpu":
+        return None
+    if config.cpu_threads is not None:
+        return ThreadGovernor(ThreadPolicy(config.cpu_threads, adaptive=False), torch.set_num_threads)
+    return ThreadGovernor(ThreadPolicy(available_threads()), torch.set_num_threads)
 
 
 def run_worker(config: EngineConfig, groups: ParallelGroups) -> None:

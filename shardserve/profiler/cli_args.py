@@ -42,7 +42,7 @@ def run_profile_command(args: argparse.Namespace) -> int:
     from shardserve.llm import engine_config_from_kwargs
     from shardserve.models.checkpoint import load_checkpoint
     from shardserve.profiler.profile_run import ProfileConfig, calibration_json, describe_efficiency, run_profile
-    from shardserve.profiler.report import bottleneck_line, format_table, write_csv
+    from shardserve.profiler.report import bottleneck_line, format_table, prefill_split_line, write_csv
     from shardserve.profiler.roofline_plot import write_roofline_plot
     from shardserve.profiler.sweep import FULL_SWEEP, QUICK_SWEEP
 
@@ -75,6 +75,9 @@ def run_profile_command(args: argparse.Namespace) -> int:
         line = bottleneck_line(kind, result.rows)
         if line:
             print("bottleneck " + line)
+    split = prefill_split_line(result.rows, peak)
+    if split:
+        print(split)
     fit = result.fit
     by_kind = ", ".join(f"{kind} {error:.1%}" for kind, error in fit.mape_by_kind.items())
     print(f"calibration: {describe_efficiency(dep.efficiency)}")

@@ -114,3 +114,23 @@ def bottleneck_line(kind: str, rows: list[ProfileRow]) -> str | None:
     if odd:
         line += "; " + ", ".join(f"{r.measurement.point.label} {r.bottleneck}-bound" for r in odd)
     return line
+
+
+def prefill_split_line(rows: list[ProfileRow], peak_flop_s: float) -> str | None:
+    """Where the prefill steps' time goes: GEMM, attention and everything else (seconds summed over
+    the prefill points), each matmul class's FLOP/s against the peak, and the largest part named."""
+    rows = [r for r in rows if r.kind == "prefill"]
+    if not rows:
+        return None
+    seconds = {cls: sum(r.measurement.class_s[cls] for r in rows) for cls in ("gemm", "attention")}
+    whole = sum(r.measurement.timing.total_s for r in rows)
+    seconds["other"] = max(0.0, whole - seconds["gemm"] - seconds["attention"])
+    parts = []
+    for cls, s in seconds.items():
+        part = f"{cls} {s / whole:.0%}"
+        if cls != "other" and s > 0:
+            rate = sum(r.work[cls].flops for r in rows) / s
+            part += f" ({rate / 1e9:.1f} GFLOP/s, {rate / peak_flop_s:.0%} of peak)"
+        parts.append(part)
+    largest = max(seconds, key=seconds.__getitem__)
+    return f"prefill split: {', '.join(parts)}; most time: {largest}"

@@ -115,18 +115,12 @@ class Forwarder:
         return status, answer
 
     async def _post(self, replica: Replica, path: str, body: dict) -> tuple[int, dict]:
-        task = asyncio.ensure_future(self.client.post(f"{replica.url}{path}", json=body, timeout=httpx.Timeout(
-            self.config.first_token_timeout_s, connect=self.config.probe_timeout_s)))
         try:
-            while not task.done():  # a replica ejected by the health checks is not waited for
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and replica.state is ReplicaState.EJECTED:
-                    raise ReplicaFailed("replica ejected while the request was in flight")
-            response = task.result()
+            response = await unless_ejected(replica, self.client.post(
+                f"{replica.url}{path}", json=body,
+                timeout=httpx.Timeout(self.config.first_token_timeout_s, connect=self.config.probe_timeout_s)))
         except httpx.HTTPError as exc:
             raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
-        finally:
-            task.cancel()
         if response.status_code == 429:
             raise ReplicaBusy()
         if response.status_code >= 500:
@@ -162,7 +156,9 @@ class Forwarder:
             request = self.client.build_request("POST", f"{replica.url}{path}", json=body, timeout=httpx.Timeout(
                 None, connect=self.config.probe_timeout_s))
             try:
-                response = await self.client.send(request, stream=True)
+                # a frozen replica still accepts connections: its headers are waited for only
+                # until the health checks eject it
+                response = await unless_ejected(replica, self.client.send(request, stream=True))
             except httpx.HTTPError as exc:
                 raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
             if response.status_code == 429 or response.status_code >= 500:
@@ -172,3 +168,16 @@ class Forwarder:
 
         attempt, response = await self.first_accepting(attempts, send)
         return Upstream(attempt, response)
+
+
+async def unless_ejected(replica: Replica, awaitable):
+    """`awaitable`'s result, or ReplicaFailed as soon as the health checks eject `replica`."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and replica.state is ReplicaState.EJECTED:
+                raise ReplicaFailed("replica ejected while the request was in flight")
+        return task.result()
+    finally:
+        task.cancel()

@@ -26,6 +26,7 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     engine = build_engine(engine_config)
+    engine.warm_up()  # before the port opens: /health answers only once the kernels have run
     model_name = server_config.served_model_name or engine_config.model
     efficiency = efficiency_config(engine_config, engine.model_config, server_config.calibration,
                                    server_config.device_price_per_hour_usd)

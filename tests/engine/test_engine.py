@@ -63,3 +63,16 @@ def test_logprobs_returned_per_token(llm):
 def test_bad_prompts_are_rejected(llm, prompt, message):
     with pytest.raises(InvalidRequestError, match=message):
         llm.generate(prompt if prompt == "" else [prompt], SamplingParams())
+
+
+def test_warm_up_runs_a_step_and_leaves_nothing_behind(llm):
+    engine = llm.engine
+    seeds = engine._seeds.getstate()
+    engine.last_step = None
+    engine.warm_up()
+    assert engine.last_step is not None  # it ran steps
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
+    assert engine._seeds.getstate() == seeds  # unseeded requests draw the same seeds as without it
+    half = engine.block_manager.block_size // 2
+    again = llm.generate([[engine.model_config.vocab_size // 2] * half], SamplingParams(max_tokens=1))[0]
+    assert again.num_cached_tokens == 0  # it left no full block in the prefix cache

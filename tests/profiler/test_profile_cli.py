@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,19 @@ def test_csv_has_one_row_per_step_and_the_documented_columns(profiled):
         assert 0 < float(row["mfu"]) <= 1 and 0 < float(row["mbu"]) <= 1
         assert row["bottleneck"] in ("compute", "memory", "network", "host")
         assert float(row["predicted_s"]) > 0
+
+
+def test_prefill_split_adds_up_to_the_csv_prefill_rows(profiled):
+    out, stdout = profiled
+    line = next(l for l in stdout.splitlines() if l.startswith("prefill split: "))
+    shares = {m.group(1): int(m.group(2)) for m in re.finditer(r"(gemm|attention|other) (\d+)%", line)}
+    with open(out / "profile.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["kind"] == "prefill"]
+    total = sum(float(r["total_s"]) for r in rows)
+    for cls in ("gemm", "attention"):
+        assert shares[cls] == pytest.approx(100 * sum(float(r[f"{cls}_s"]) for r in rows) / total, abs=1)
+    assert sum(shares.values()) == pytest.approx(100, abs=2)
+    assert line.endswith("most time: " + max(shares, key=shares.get))
 
 
 def test_calibration_file_is_current_and_complete(profiled):

