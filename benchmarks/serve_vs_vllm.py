@@ -9,8 +9,10 @@ distinct per server and level (no prefix-cache hits):
     uniform   128-token prompts, 128 output tokens
     mixed     prompts uniform in 16..512 tokens, outputs uniform in 8..264
 vLLM runs with 1 GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE=1`, as ours) and each of its two
-thread bindings (`VLLM_CPU_OMP_THREADS_BIND=auto`, one OpenMP thread on two cores, and `0-1`);
-the faster on the uniform workload at the highest concurrency is the one compared, and named.
+thread bindings (`VLLM_CPU_OMP_THREADS_BIND=auto`, one OpenMP thread on two cores, and `0-1`):
+the first runs every level, the second the deciding one (uniform, highest concurrency) and the
+rest only if it wins there; the faster is the one compared, and named. vLLM runs first, so that
+a vLLM that does not start costs no shardserve measurement.
 
 vLLM is installed on first use into its own venv outside the repo (`--vllm-venv`; see
 benchmarks/vllm_reference.py); each vLLM start compiles the model (1-3 minutes), which is not
@@ -52,11 +54,12 @@ def started(name: str, cmd: list[str], port: int, env: dict | None = None):
         yield url
 
 
-def run_levels(name: str, url: str, levels, args, salt: int) -> dict:
+def run_levels(name: str, url: str, levels, args, salt: int, workloads) -> dict:
     warm = build_workload(WorkloadConfig(num_requests=4, input_len=64, output_len=8, seed=999, prompt_salt=salt))
     run_benchmark_sync(url, warm, concurrency=4, show_progress=False)
     results: dict = {}
-    for workload, shape in WORKLOADS.items():
+    for workload in workloads:
+        shape = WORKLOADS[workload]
         results[workload] = {}
         for index, (concurrency, num_requests) in enumerate(levels):
             output_len = args.output_len if workload == "uniform" else shape["output_len"]
@@ -92,27 +95,37 @@ def main() -> None:
     python = ensure_vllm(args.vllm_venv)
     folder = hf_folder(args.cache_dir)
 
-    port = free_port()
-    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(folder), "--dtype", args.dtype,
-                "--port", str(port), "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048",
-                "--log-level", "warning"]
-    with started("shardserve", ours_cmd, port) as url:
-        ours = run_levels("shardserve", url, levels, args, salt=1)
-    theirs_by_bind = {}
+    # The first binding runs every level; a second runs the deciding level (uniform, highest
+    # concurrency) and, only if it wins there, the rest as well.
+    top = levels[-1]
+    theirs_by_bind: dict = {}
     for salt, bind in enumerate(BINDS if args.bind == "both" else (args.bind,), start=2):
         port = free_port()
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", args.dtype,
                "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1"]
         with started(f"vllm bind={bind}", cmd, port, env=vllm_env(python, bind)) as url:
-            theirs_by_bind[bind] = run_levels(f"vllm bind={bind}", url, levels, args, salt=salt)
-    top = levels[-1][0]
-    bind = max(theirs_by_bind, key=lambda b: theirs_by_bind[b]["uniform"][top]["output_tok_s"])
+            name = f"vllm bind={bind}"
+            if not theirs_by_bind:
+                theirs_by_bind[bind] = run_levels(name, url, levels, args, salt, WORKLOADS)
+                continue
+            trial = run_levels(name, url, [top], args, salt, ["uniform"])
+            best = max(r["uniform"][top[0]]["output_tok_s"] for r in theirs_by_bind.values())
+            if trial["uniform"][top[0]]["output_tok_s"] > best:
+                trial = run_levels(name, url, levels, args, salt + 10, WORKLOADS)
+            theirs_by_bind[bind] = trial
+    port = free_port()
+    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(folder), "--dtype", args.dtype,
+                "--port", str(port), "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048",
+                "--log-level", "warning"]
+    with started("shardserve", ours_cmd, port) as url:
+        ours = run_levels("shardserve", url, levels, args, 1, WORKLOADS)
+    bind = max(theirs_by_bind, key=lambda b: theirs_by_bind[b]["uniform"][top[0]]["output_tok_s"])
     report(levels, ours, theirs_by_bind, bind, args)
 
 
 def report(levels, ours: dict, theirs_by_bind: dict, bind: str, args) -> None:
     theirs = theirs_by_bind[bind]
-    print(f"\nshardserve vs vLLM {bind=} ({args.dtype}); other bindings: "
+    print(f"\nshardserve vs vLLM {bind=} ({args.dtype}); vLLM by binding: "
           + ", ".join(f"{b}: {r['uniform'][levels[-1][0]]['output_tok_s']:.1f} tok/s at c={levels[-1][0]}"
                       for b, r in theirs_by_bind.items()))
     print(f"{'workload':<8} {'C':>3} {'system':<11} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}  (ms)")

@@ -55,7 +55,10 @@ def hf_folder(cache_dir: Path = DEFAULT_CACHE) -> Path:
     gguf = resolve_model_path("smollm2")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # a GGUF-loaded model refuses save_pretrained: copy its tensors into a plain one
-    plain = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the GGUF's, which the saved float weights are not
+        del config.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
     plain.save_pretrained(out)

@@ -116,10 +116,10 @@ class LLMEngine:
         user request does not pay for first calls (oneDNN's kernel selection, the thread pool's
         start, lazy allocations). It fills less than one KV block, so the prefix cache keeps
         nothing of it, and it draws no seed."""
-        num_prompt = max(1, self.block_manager.block_size // 2)
+        num_tokens = min(self.block_manager.block_size - 1, self.max_model_len)
+        num_prompt = max(1, num_tokens // 2)
         prompt = [self.model_config.vocab_size // 2] * num_prompt
-        params = SamplingParams(max_tokens=max(1, self.block_manager.block_size - num_prompt - 1),
-                                temperature=0, seed=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max(1, num_tokens - num_prompt), temperature=0, seed=0, ignore_eos=True)
         req = self.add_request("shardserve-warm-up", prompt, params)
         while not req.is_finished:
             self.step()
