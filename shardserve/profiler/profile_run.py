@@ -24,6 +24,7 @@ from tqdm import tqdm
 from shardserve.config import EngineConfig, ModelConfig
 from shardserve.dtypes import dtype_bytes_of
 from shardserve.engine.launcher import build_engine
+from shardserve.engine.thread_governor import available_threads
 from shardserve.planner.cost_model import Deployment, step_time
 from shardserve.planner.efficiency import Efficiency, calibration_document
 from shardserve.planner.hardware import Hardware, get_hardware, measure_this_host
@@ -61,7 +62,8 @@ class ProfileResult:
 
 def sweep_engine_config(config: EngineConfig, model: ModelConfig, points: list[SweepPoint],
                         sweep: SweepConfig) -> EngineConfig:
-    """`config` with a token budget, sequence limit and KV pool large enough for every point."""
+    """`config` with a token budget, sequence limit and KV pool large enough for every point, and
+    a fixed thread count (the governor's probes would mix counts within a point's repeats)."""
     block_size = config.cache.block_size
     room = sweep.num_repeats + sweep.num_warmup_steps + 2  # decode steps taken at one point
 
@@ -81,7 +83,8 @@ def sweep_engine_config(config: EngineConfig, model: ModelConfig, points: list[S
         max_num_seqs=max(config.scheduler.max_num_seqs, max(p.num_step_seqs for p in points)))
     cache = dataclasses.replace(config.cache, kv_cache_memory_bytes=max(config.cache.kv_cache_memory_bytes or 0,
                                                                         kv_bytes))
-    return dataclasses.replace(config, scheduler=scheduler, cache=cache)
+    return dataclasses.replace(config, scheduler=scheduler, cache=cache,
+                               cpu_threads=config.cpu_threads or available_threads())
 
 
 def profile_hardware(config: EngineConfig, device_name: str | None) -> Hardware:
