@@ -19,18 +19,18 @@ def reference(x, weight, bias):
 
 
 def needs_panel_kernel(dtype):
-    return pytest.mark.skipif(load_panel_linear(dtype) is None, reason=f"no toolchain or no AVX-512 kernel for {dtype}")
+    return pytest.mark.skipif(load_panel_linear(dtype) is None, reason=f"no toolchain, or this CPU has no panel kernel for {dtype}")
 
 
 DTYPES = [pytest.param(dtype, marks=needs_panel_kernel(dtype)) for dtype in (torch.float32, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 40, 7), (13, 33, 576), (40, 96, 130)])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 40, 7), (13, 33, 576), (40, 96, 130), (101, 50, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_kernel_matches_the_exact_product(dtype, rows, out_features, in_features, with_bias):
-    """Tails of every kind: odd K, N not a multiple of the 32-column panel, M not a multiple of
-    the 12-row register block."""
+    """Tails of every kind: odd K, N not a multiple of the panel (32 or 16 columns), M not a
+    multiple of the register block (12 or 6 rows) nor of a thread's row chunk (96 or 48)."""
     torch.manual_seed(0)
     x = torch.randn(rows, in_features, dtype=dtype)
     weight = torch.randn(out_features, in_features, dtype=dtype)
@@ -46,10 +46,10 @@ def test_panel_kernel_matches_the_exact_product(dtype, rows, out_features, in_fe
 def test_panel_kernel_row_does_not_depend_on_the_batch(dtype):
     torch.manual_seed(1)
     weight = torch.randn(70, 64, dtype=dtype)
-    batch = torch.randn(37, 64, dtype=dtype)
+    batch = torch.randn(130, 64, dtype=dtype)  # more rows than a thread's chunk
     packed = prepack_weight(weight)
     together = packed.linear(batch, None)
-    for row in (0, 12, 36):
+    for row in (0, 12, 47, 48, 100, 129):
         assert torch.equal(packed.linear(batch[row : row + 1], None), together[row : row + 1])
 
 

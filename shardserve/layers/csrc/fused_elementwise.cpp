@@ -7,7 +7,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include "vector_math.h"
 #endif
@@ -38,6 +38,14 @@ void add_rms_norm_impl(T* residual, const T* delta, const T* weight, T* out, int
   });
 }
 
+// x * cos + rotated * sin, each product and the sum rounded to T as torch rounds them
+template <typename T>
+inline T rotate(T x, float rotated, T cos, T sin) {
+  const float a = to_float(round_to<T>(to_float(x) * to_float(cos)));
+  const float b = to_float(round_to<T>(rotated * to_float(sin)));
+  return round_to<T>(a + b);
+}
+
 // Per token t: rotate its H query and KV key heads (x * cos + rotate_half(x) * sin, rotate_half(x)
 // = [-x2, x1], each product and the sum rounded to T as torch rounds them) into q_out / k_out,
 // and store the rotated keys and the values at cache slot slots[t] of every kv head.
@@ -54,12 +62,9 @@ void rotary_kv_impl(const T* qkv, const T* cos, const T* sin, const int64_t* slo
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         const T* x = row + h * dim;
         T* o = h < heads ? q_out + (t * heads + h) * dim : k_out + (t * kv_heads + h - heads) * dim;
-        for (int64_t i = 0; i < dim; ++i) {
-          const float rotated = i < half ? -to_float(x[i + half]) : to_float(x[i - half]);
-          const float a = to_float(round_to<T>(to_float(x[i]) * to_float(c[i])));
-          const float b = to_float(round_to<T>(rotated * to_float(s[i])));
-          o[i] = round_to<T>(a + b);
-        }
+        // the two halves in two loops: without the branch, each vectorizes
+        for (int64_t i = 0; i < half; ++i) o[i] = rotate(x[i], -to_float(x[i + half]), c[i], s[i]);
+        for (int64_t i = half; i < dim; ++i) o[i] = rotate(x[i], to_float(x[i - half]), c[i], s[i]);
         if (h >= heads) std::memcpy(k_cache + ((h - heads) * slots_per_head + slots[t]) * dim, o, dim * sizeof(T));
       }
       for (int64_t kv = 0; kv < kv_heads; ++kv)
@@ -120,6 +125,18 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t d) {
         const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv);
         const __m512 silu = as_stored(T(), _mm512_mul_ps(x, sigmoid));
         store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= d; i += 8) {
+        const __m256 x = load8(gate + i);
+        const __m256 neg_abs = _mm256_or_ps(x, _mm256_set1_ps(-0.f));
+        const __m256 e = exp_nonpositive(neg_abs);
+        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        // sigmoid(x) = 1 / (1 + e^-|x|) for x >= 0, e^-|x| / (1 + e^-|x|) below
+        const __m256 sigmoid = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+        const __m256 silu = as_stored(T(), _mm256_mul_ps(x, sigmoid));
+        store8(o + i, _mm256_mul_ps(silu, load8(up + i)));
       }
 #endif
       for (; i < d; ++i) {

@@ -1,19 +1,22 @@
-// Linear layer on CPUs with AVX-512: y [M, N] = x [M, K] W^T (+ bias), float32 sums; bfloat16
-// (with AVX512-BF16) or float32 in and out.
+// Linear layer on x86 CPUs: y [M, N] = x [M, K] W^T (+ bias), float32 sums; with AVX-512,
+// bfloat16 (with AVX512-BF16) or float32 in and out; with only AVX2 and FMA, float32.
 //
 // At decode batch sizes (M of 1-64 rows) every weight byte is used M times and then not again
 // until the next step: the weights stream from DRAM, and a layer's matmul is short enough that
 // the fork/join, packing and cache misses of a general GEMM cost as much as the arithmetic. This
 // kernel is built for that shape:
-//   - W is repacked once into panels of 32 output columns with kw consecutive k values
-//     interleaved ([N/32][K/kw][32][kw]; kw = 2 for bf16, 1 for float32), so one panel is one
-//     contiguous stream and each 64-byte load feeds one dot (bf16 pairs) or multiply-add;
+//   - W is repacked once into panels of P output columns (two vector registers: 32 with AVX-512,
+//     16 with AVX2) with kw consecutive k values interleaved ([N/P][K/kw][P][kw]; kw = 2 for
+//     bf16, 1 for float32), so one panel is one contiguous stream and each load feeds one dot
+//     (bf16 pairs) or multiply-add;
 //   - a panel (32 x K, 36 KB in bf16 at K = 576) stays in L1 (L2 for larger K) while every block
-//     of up to 12 rows of x runs over it: 24 float32 accumulators live in registers and each x
-//     value (pair) is a broadcast;
+//     of up to R rows of x runs over it (R = 12 with AVX-512's 32 registers, 6 with AVX2's 16):
+//     2R float32 accumulators live in registers and each x value (pair) is a broadcast;
 //   - while a thread works on one panel it prefetches its next one, so the DRAM stream overlaps
 //     the arithmetic instead of stalling it;
-//   - panels are split over threads once per call (static, no work queue).
+//   - panels are split over threads once per call (static, no work queue); with many rows
+//     (prefill) each thread takes the rows a chunk at a time, so the chunk stays in L2 while the
+//     thread's panels pass over it.
 // Each output is a sum over k in a fixed order that does not depend on M: a row gets the same
 // result whatever else is in the batch.
 #include <ATen/ATen.h>
@@ -23,14 +26,25 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
+#if defined(__AVX512F__)
+#define SHARDSERVE_PANEL_KERNEL 1
 constexpr int64_t kPanel = 32;    // output columns per panel: two 16-lane registers
 constexpr int64_t kMaxRows = 12;  // rows of x per register block: 24 accumulators
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SHARDSERVE_PANEL_KERNEL 1
+constexpr int64_t kPanel = 16;    // two 8-lane registers
+constexpr int64_t kMaxRows = 6;   // 12 accumulators, 2 weight vectors and a broadcast: 15 of 16 registers
+#else
+constexpr int64_t kPanel = 32;    // (no kernel: pack() and linear() refuse every dtype)
+constexpr int64_t kMaxRows = 1;
+#endif
+constexpr int64_t kRowChunk = 8 * kMaxRows;  // rows a thread takes at a time (x's chunk stays in L2)
 constexpr int64_t kMinThreadWork = 1 << 16;  // multiply-adds
 
 #if defined(__AVX512F__)
@@ -87,6 +101,53 @@ inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, 
   }
 }
 
+#elif defined(SHARDSERVE_PANEL_KERNEL)
+// AVX2: one block of R rows against one 16-column panel, float32 only. Per k: two 32-byte weight
+// loads, one broadcast per row, two multiply-adds per row (each a single rounding, as AVX-512's).
+template <typename T, int R>
+inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, const float* bias, T* y,
+                       int64_t ldy, int64_t cols, const T* prefetch) {
+  static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
+  __m256 acc[R][2];
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = b0;
+    acc[r][1] = b1;
+  }
+  for (int64_t p = 0; p < ksteps; ++p) {
+    const float* w = panel + p * kPanel;
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kPanel), _MM_HINT_T0);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + p);
+      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+  if (cols == kPanel) {
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+      _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+    }
+    return;
+  }
+  // the last panel of a layer whose N is not a multiple of 16: lanes below `cols` only
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lane);
+  const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lane);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(y + r * ldy, m0, acc[r][0]);
+    _mm256_maskstore_ps(y + r * ldy + 8, m1, acc[r][1]);
+  }
+}
+#endif
+
+#if defined(SHARDSERVE_PANEL_KERNEL)
 template <typename T>
 using PanelRowsFn = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, int64_t, const T*);
 
@@ -109,15 +170,18 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float
   // which on a small host takes cores from the server's other threads): tiny layers run serially.
   const int64_t grain = std::max<int64_t>(1, kMinThreadWork / std::max<int64_t>(1, m * kPanel * ksteps * kw));
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const T* w = wd + panel * panel_elems;
-      const T* next = panel + 1 < end ? w + panel_elems : nullptr;
-      const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
-      for (int64_t row = 0; row < m; row += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, m - row);
-        // the first row block pulls the panel into L1 and prefetches the next one
-        kTable[rows - 1](xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, cols,
-                         row == 0 ? next : nullptr);
+    for (int64_t chunk = 0; chunk < m; chunk += kRowChunk) {
+      const int64_t chunk_end = std::min(m, chunk + kRowChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const T* w = wd + panel * panel_elems;
+        const T* next = panel + 1 < end ? w + panel_elems : nullptr;
+        const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
+        for (int64_t row = chunk; row < chunk_end; row += kMaxRows) {
+          const int64_t rows = std::min(kMaxRows, chunk_end - row);
+          // the first row block pulls the panel into L1 and prefetches the next one
+          kTable[rows - 1](xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n,
+                           cols, row == chunk ? next : nullptr);
+        }
       }
     }
   });
@@ -131,13 +195,13 @@ bool supported(at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) return true;
 #endif
-#if defined(__AVX512F__)
+#if defined(SHARDSERVE_PANEL_KERNEL)
   if (dtype == at::kFloat) return true;
 #endif
   return false;
 }
 
-// W [N, K] -> panels [ceil(N/32)][ceil(K/kw)][32][kw], zero-padded (kw: 2 for bf16, 1 for float32).
+// W [N, K] -> panels [ceil(N/P)][ceil(K/kw)][P][kw], zero-padded (kw: 2 for bf16, 1 for float32).
 at::Tensor pack(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && supported(weight.scalar_type()), "pack: weight must be 2-D bfloat16 or float32");
   const int64_t kw = weight.scalar_type() == at::kBFloat16 ? 2 : 1;
@@ -167,7 +231,7 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   x = x.contiguous();
   if (x.size(1) % kw) x = at::constant_pad_nd(x, {0, 1});  // the last k's pair meets zero weights
-#if defined(__AVX512F__)
+#if defined(SHARDSERVE_PANEL_KERNEL)
   if (x.scalar_type() == at::kFloat) return run_linear<float>(x, packed, b, n);
 #endif
 #if defined(__AVX512BF16__)
