@@ -25,26 +25,17 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
-from shardserve.bench.client import run_benchmark_sync
+from serving_levels import log, run_level, started, warm_up
 from shardserve.models.checkpoint import resolve_model_path
 from shardserve.ports import free_port
-from shardserve.server.process import server_process
-from shardserve.sim.workload import WorkloadConfig, build_workload
+from shardserve.sim.workload import WorkloadConfig
 
 RESULTS = Path(__file__).parent / "results"
 
 
-@contextmanager
-def started(cmd: list[str], port: int, name: str):
-    print(f"[{name}] starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    with server_process(cmd, port, startup_timeout_s=180) as (url, _):
-        print(f"[{name}] ready", file=sys.stderr, flush=True)
-        yield url
-
-
+TAG = "serve_vs_llamacpp"
 GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
 
 
@@ -61,22 +52,13 @@ def dequantized_gguf(bin_dir: Path, cache_dir: Path, dtype: str) -> Path:
 
 
 def run_levels(name: str, url: str, levels: list[tuple[int, int]], args, salt: int, extra_body: dict) -> dict:
-    warm = build_workload(WorkloadConfig(num_requests=4, input_len=args.input_len, output_len=8, seed=999, prompt_salt=salt))
-    run_benchmark_sync(url, warm, concurrency=4, show_progress=False, extra_body=extra_body)
+    warm_up(url, salt, args.input_len, extra_body)
     results = {}
     for index, (concurrency, num_requests) in enumerate(levels):
-        specs = build_workload(WorkloadConfig(num_requests=num_requests, input_len=args.input_len,
-                                              output_len=args.output_len, seed=index, prompt_salt=salt))
-        print(f"[{name}] concurrency {concurrency}: {num_requests} requests", file=sys.stderr, flush=True)
-        result = run_benchmark_sync(url, specs, concurrency=concurrency, extra_body=extra_body, show_progress=False)
-        if result.num_failed:
-            raise RuntimeError(f"{name}: {result.num_failed} requests failed: {result.error_samples}")
-        results[concurrency] = {
-            "output_tok_s": result.output_throughput_tok_s, "ttft_p50_ms": result.ttft.p50_ms,
-            "ttft_p99_ms": result.ttft.p99_ms, "tpot_p50_ms": result.tpot.p50_ms,
-            "e2e_p50_ms": result.e2e.p50_ms, "num_requests": num_requests,
-            "output_tokens": result.total_output_tokens,
-        }
+        config = WorkloadConfig(num_requests=num_requests, input_len=args.input_len, output_len=args.output_len,
+                                seed=index, prompt_salt=salt)
+        log(TAG, f"[{name}] concurrency {concurrency}: {num_requests} requests")
+        results[concurrency] = run_level(url, config, concurrency, extra_body)
     return results
 
 
@@ -101,13 +83,13 @@ def main() -> None:
     port = free_port()
     ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", args.dtype, "--port", str(port),
                 "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
-    with started(ours_cmd, port, "shardserve") as url:
+    with started(TAG, "shardserve", ours_cmd, port, startup_timeout_s=180) as url:
         ours = run_levels("shardserve", url, levels, args, salt=1, extra_body={})
     port = free_port()
     max_par = max(c for c, _ in levels)
     llama_cmd = [str(args.llama_bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                  "-t", "2", "-np", str(max_par), "-c", str(max_par * 512), "--cont-batching"]
-    with started(llama_cmd, port, "llama-server") as url:
+    with started(TAG, "llama-server", llama_cmd, port, startup_timeout_s=180) as url:
         theirs = run_levels("llama-server", url, levels, args, salt=2, extra_body={"cache_prompt": False})
     report(levels, ours, theirs, args)
 

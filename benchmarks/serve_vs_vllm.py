@@ -9,7 +9,7 @@ distinct per server and level (no prefix-cache hits):
     uniform   128-token prompts, 128 output tokens
     mixed     prompts uniform in 16..512 tokens, outputs uniform in 8..264
 vLLM runs with 1 GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE=1`, as ours) and each of its two
-thread bindings (`VLLM_CPU_OMP_THREADS_BIND=auto`, one OpenMP thread on two cores, and `0-1`):
+thread bindings (`VLLM_CPU_OMP_THREADS_BIND=0-1`, both cores, and `auto`, one OpenMP thread):
 the first runs every level, the second the deciding one (uniform, highest concurrency) and the
 rest only if it wins there; the faster is the one compared, and named. vLLM runs first, so that
 a vLLM that does not start costs no shardserve measurement.
@@ -27,14 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
-from shardserve.bench.client import run_benchmark_sync
+from serving_levels import log, run_level, started, warm_up
 from shardserve.ports import free_port
-from shardserve.server.process import server_process
-from shardserve.sim.workload import WorkloadConfig, build_workload
+from shardserve.sim.workload import WorkloadConfig
 from vllm_reference import BINDS, DEFAULT_CACHE, DEFAULT_VENV, ensure_vllm, hf_folder, vllm_env
 
 RESULTS = Path(__file__).parent / "results"
@@ -42,38 +39,21 @@ WORKLOADS = {"uniform": dict(input_len=128, output_len=128, range_ratio=0.0),
              "mixed": dict(input_len=264, output_len=136, range_ratio=0.94)}
 
 
-def log(message: str) -> None:
-    print(f"[serve_vs_vllm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def started(name: str, cmd: list[str], port: int, env: dict | None = None):
-    log(f"[{name}] starting: {' '.join(cmd)}")
-    with server_process(cmd, port, startup_timeout_s=600, env=env) as (url, _):
-        log(f"[{name}] ready")
-        yield url
+TAG = "serve_vs_vllm"
 
 
 def run_levels(name: str, url: str, levels, args, salt: int, workloads) -> dict:
-    warm = build_workload(WorkloadConfig(num_requests=4, input_len=64, output_len=8, seed=999, prompt_salt=salt))
-    run_benchmark_sync(url, warm, concurrency=4, show_progress=False)
+    warm_up(url, salt)
     results: dict = {}
     for workload in workloads:
         shape = WORKLOADS[workload]
         results[workload] = {}
         for index, (concurrency, num_requests) in enumerate(levels):
             output_len = args.output_len if workload == "uniform" else shape["output_len"]
-            specs = build_workload(WorkloadConfig(num_requests=num_requests, seed=index, prompt_salt=salt,
-                                                  **dict(shape, output_len=output_len)))
-            log(f"[{name}] {workload} concurrency {concurrency}: {num_requests} requests")
-            result = run_benchmark_sync(url, specs, concurrency=concurrency, show_progress=False)
-            if result.num_failed:
-                raise RuntimeError(f"{name}: {result.num_failed} requests failed: {result.error_samples}")
-            results[workload][concurrency] = {
-                "output_tok_s": result.output_throughput_tok_s, "ttft_p50_ms": result.ttft.p50_ms,
-                "ttft_p99_ms": result.ttft.p99_ms, "tpot_p50_ms": result.tpot.p50_ms,
-                "num_requests": num_requests, "output_tokens": result.total_output_tokens,
-            }
+            config = WorkloadConfig(num_requests=num_requests, seed=index, prompt_salt=salt,
+                                    **dict(shape, output_len=output_len))
+            log(TAG, f"[{name}] {workload} concurrency {concurrency}: {num_requests} requests")
+            results[workload][concurrency] = run_level(url, config, concurrency)
     return results
 
 
@@ -103,7 +83,7 @@ def main() -> None:
         port = free_port()
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", args.dtype,
                "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1"]
-        with started(f"vllm bind={bind}", cmd, port, env=vllm_env(python, bind)) as url:
+        with started(TAG, f"vllm bind={bind}", cmd, port, env=vllm_env(python, bind)) as url:
             name = f"vllm bind={bind}"
             if not theirs_by_bind:
                 theirs_by_bind[bind] = run_levels(name, url, levels, args, salt, WORKLOADS)
@@ -117,7 +97,7 @@ def main() -> None:
     ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(folder), "--dtype", args.dtype,
                 "--port", str(port), "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048",
                 "--log-level", "warning"]
-    with started("shardserve", ours_cmd, port) as url:
+    with started(TAG, "shardserve", ours_cmd, port) as url:
         ours = run_levels("shardserve", url, levels, args, 1, WORKLOADS)
     bind = max(theirs_by_bind, key=lambda b: theirs_by_bind[b]["uniform"][top[0]]["output_tok_s"])
     report(levels, ours, theirs_by_bind, bind, args)
