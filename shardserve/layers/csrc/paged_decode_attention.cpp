@@ -91,6 +91,15 @@ void attend_one_portable(const T* q, const T* k_cache, const T* v_cache, const i
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// the cache block's lines on their way to L1 while the one before is used
+inline void prefetch_block(const void* block, int64_t num_bytes) {
+  const char* p = static_cast<const char*>(block);
+  for (int64_t i = 0; i < num_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+#endif
+
 #if defined(__AVX512F__)
 // s[g * s_stride + t] = scale * (q_g . keys[t]) for t < n, for GN query heads; qf is q * scale in
 // float32. Each key row is loaded (and widened) once for all GN heads.
@@ -147,11 +156,6 @@ inline void accumulate_values(const T* values, int64_t n, int64_t head_dim, cons
     }
     for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * head_dim + c, a[g]);
   }
-}
-
-inline void prefetch_block(const void* block, int64_t num_bytes) {
-  const char* p = static_cast<const char*>(block);
-  for (int64_t i = 0; i < num_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
 // The same computation as attend_one_portable, for head_dim % 16 == 0.
@@ -257,11 +261,6 @@ inline void accumulate_values8(const T* values, int64_t n, int64_t head_dim, con
     }
     for (int g = 0; g < GN; ++g) _mm256_storeu_ps(acc + g * head_dim + c, a[g]);
   }
-}
-
-inline void prefetch_block(const void* block, int64_t num_bytes) {
-  const char* p = static_cast<const char*>(block);
-  for (int64_t i = 0; i < num_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
 // Softmax numerators of s[0, n) in place (e^(s - max)); returns 1 / their sum.
