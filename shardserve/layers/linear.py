@@ -9,7 +9,7 @@ share, see shardserve/parallel/linear.py); its loader then reads just that slice
 On CPU, weights are repacked once, after loading, for the fastest kernel there: our own panel
 kernel (csrc/panel_linear.cpp) where the CPU has one for the dtype (AVX-512: bfloat16 and float32,
 at decode batch sizes 1.5x and 1.3x faster than oneDNN; AVX2 with FMA: float32, 1.2-1.9x at 8
-rows, 1.15-1.4x at 32, 0.85-1.05x from 128 rows up, measured on the model's shapes), otherwise
+rows, 1.15-1.4x at 32, 0.83-1.06x from 128 rows up, measured on the model's shapes), otherwise
 oneDNN's blocked layout (a plain `F.linear` re-lays the weight out on every call, which costs
 1.5-3x at decode batch sizes). One kernel for every row count keeps a row's result independent of
 the batch it is in.
