@@ -1,7 +1,8 @@
 """Simulator accuracy: one trace through a real server and through `shardserve simulate`.
 
 1. Calibrate: `shardserve profile smollm2 --dtype bfloat16 --quick` fits the cost model's factors on
-   the engine's own steps (skipped with --calibration FILE).
+   the engine's own steps (skipped with --calibration FILE; `--dtype float32` profiles and serves
+   in float32 throughout, for a CPU without AVX512-BF16).
 2. Measure: a real `shardserve serve smollm2 --dtype bfloat16` (the engine's defaults; a fixed KV
    cache size, given to the simulator too) gets one trace at two load levels through bench's client:
    Poisson arrivals, mixed lengths (prompts 192 tokens +-50%, outputs 48 +-50%), the same requests
@@ -28,7 +29,7 @@
    and of steps with a prompt that also carried decodes.
 
 Run
-    .venv/bin/python benchmarks/sim_accuracy.py [--calibration FILE] [--num-requests N] [--rates R1,R2]
+    .venv/bin/python benchmarks/sim_accuracy.py [--calibration FILE] [--num-requests N] [--rates R1,R2] [--dtype float32]
     About three minutes on this host. Prints both reports and a comparison table; the last line is
     `RESULT {"median_error": .., "max_error": .., <level>_<metric>_error: ..}` (also
     benchmarks/results/sim_accuracy.json). Target: max_error <= 0.15, median_error <= 0.10. Run it
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -57,8 +59,16 @@ METRICS = ("output_tok_s", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 LEVEL_NAMES = ("low", "high")
 
 
-def calibrate(out_dir: Path) -> Path:
-    cmd = [sys.executable, "-m", "shardserve.cli", "profile", "smollm2", "--dtype", "bfloat16", "--quick",
+@dataclass(frozen=True)
+class Calibrated:
+    """The cost model's calibration file and the dtype it was profiled in (the server runs in it too)."""
+
+    path: Path
+    dtype: str
+
+
+def calibrate(out_dir: Path, dtype: str) -> Path:
+    cmd = [sys.executable, "-m", "shardserve.cli", "profile", "smollm2", "--dtype", dtype, "--quick",
            "--out", str(out_dir), "--no-progress"]
     print("calibrating: " + " ".join(cmd[2:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -68,7 +78,7 @@ def calibrate(out_dir: Path) -> Path:
     return out_dir / "calibration.json"
 
 
-def sim_config(calibration: Path, request_s: float, token_s: float,
+def sim_config(calibration: Calibrated, request_s: float, token_s: float,
                costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
     from shardserve.config import ParallelConfig, SchedulerConfig
     from shardserve.planner.model_presets import resolve_model
@@ -77,7 +87,7 @@ def sim_config(calibration: Path, request_s: float, token_s: float,
     from shardserve.sim.simulation import ServingOverheads, SimConfig
 
     model = resolve_model("smollm2")
-    deployment = resolve_deployment(model, "this-host", "bfloat16", ParallelConfig(), str(calibration))
+    deployment = resolve_deployment(model, "this-host", calibration.dtype, ParallelConfig(), str(calibration.path))
     max_model_len = model.max_position_embeddings
     num_blocks = engine_num_kv_blocks(deployment, 16, max_model_len, KV_CACHE_BYTES)
     setup = ReplicaSetup(SchedulerConfig(), num_blocks, 16, True, max_model_len)  # `shardserve serve` defaults
@@ -273,7 +283,7 @@ def probe_steps(base_url: str, clock, specs) -> tuple[list, list]:
     return decode_steps, prompt_steps
 
 
-def model_clock(calibration: Path, costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
+def model_clock(calibration: Calibrated, costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
     """The calibrated cost model's step clock, with serving's step costs (none by default)."""
     from shardserve.sim.step_clock import StepClock
 
@@ -281,7 +291,7 @@ def model_clock(calibration: Path, costs: tuple[float, float, float] = (1.0, 1.0
     return StepClock(config.deployment, config.setup.max_model_len, *costs)
 
 
-def trace_step_ratios(result, specs, calibration: Path, costs: tuple[float, float, float]) -> dict[str, float]:
+def trace_step_ratios(result, specs, calibration: Calibrated, costs: tuple[float, float, float]) -> dict[str, float]:
     """Diagnosis only (nothing is fitted to it): measured / predicted step time over the trace's own
     steps, as read off its chunk times, as the fit takes them: the total time of decode-only steps
     and of prompt steps that carried decodes (the server was busy); the predictions are the step
@@ -303,7 +313,7 @@ def metrics_of(result) -> dict[str, float]:
             "ttft_p90": result.ttft.p90_ms, "tpot_p50": result.tpot.p50_ms, "tpot_p90": result.tpot.p90_ms}
 
 
-def measure(calibration: Path, rates: list[float] | None, num_requests: int):
+def measure(calibration: Calibrated, rates: list[float] | None, num_requests: int):
     """Probe the server's HTTP path, then per level its step times right before and right after
     the level runs (a shared host's speed drifts within a minute), and the level itself:
     (results, rates, HTTP delay, step costs per level, capacities, trace step ratios per level).
@@ -315,7 +325,7 @@ def measure(calibration: Path, rates: list[float] | None, num_requests: int):
     from shardserve.server.process import server_process
 
     port = free_port()
-    cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
+    cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", calibration.dtype, "--port", str(port),
            "--kv-cache-memory", str(KV_CACHE_BYTES), "--log-level", "warning"]
     with server_process(cmd, port) as (base_url, _):
         http_delay_s = probe_http_delay_s(base_url)
@@ -358,6 +368,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", default=None, help="skip profiling: use this calibration.json")
     parser.add_argument("--num-requests", type=int, default=120, help="per load level")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="what the server runs and the profile calibrates (float32 on a CPU without AVX512-BF16)")
     parser.add_argument("--rates", default=None, help="the two levels in req/s (default: 0.35 and 0.7 of the "
                                                       "server's measured capacity)")
     args = parser.parse_args()
@@ -368,14 +380,15 @@ def main() -> None:
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        calibration = Path(args.calibration) if args.calibration else calibrate(Path(tmp) / "profile")
+        calibration = Path(args.calibration) if args.calibration else calibrate(Path(tmp) / "profile", args.dtype)
         saved = RESULTS / "sim_accuracy_calibration.json"
         RESULTS.mkdir(exist_ok=True)
         saved.write_text(calibration.read_text())
     rates = [float(r) for r in args.rates.split(",")] if args.rates else None
-    measured, rates, http_delay_s, level_costs, capacity, step_ratios = measure(saved, rates, args.num_requests)
+    calibrated = Calibrated(saved, args.dtype)
+    measured, rates, http_delay_s, level_costs, capacity, step_ratios = measure(calibrated, rates, args.num_requests)
     # each level on its own simulated server, with the step costs probed just before it
-    simulated = [simulate(sim_config(saved, http_delay_s / 2, http_delay_s / 2, costs),
+    simulated = [simulate(sim_config(calibrated, http_delay_s / 2, http_delay_s / 2, costs),
                           [(LoadLevel(None, rate), workload(rate, i, args.num_requests))])[0]
                  for i, (rate, costs) in enumerate(zip(rates, level_costs))]
 
