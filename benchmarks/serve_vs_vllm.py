@@ -83,15 +83,15 @@ def main() -> None:
         port = free_port()
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", args.dtype,
                "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1"]
-        with started(TAG, f"vllm bind={bind}", cmd, port, env=vllm_env(python, bind)) as url:
-            name = f"vllm bind={bind}"
+        name = f"vllm bind={bind}"
+        with started(TAG, name, cmd, port, env=vllm_env(python, bind)) as url:
             if not theirs_by_bind:
                 theirs_by_bind[bind] = run_levels(name, url, levels, args, salt, WORKLOADS)
                 continue
             trial = run_levels(name, url, [top], args, salt, ["uniform"])
             best = max(r["uniform"][top[0]]["output_tok_s"] for r in theirs_by_bind.values())
             if trial["uniform"][top[0]]["output_tok_s"] > best:
-                trial = run_levels(name, url, levels, args, salt + 10, WORKLOADS)
+                trial = run_levels(name, url, levels, args, salt + 10, WORKLOADS)  # fresh prompts: no cache hits
             theirs_by_bind[bind] = trial
     port = free_port()
     ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(folder), "--dtype", args.dtype,
