@@ -25,6 +25,10 @@ class KVCache:
         return self.layers[0].shape[1] if self.layers else 0
 
     @property
+    def head_dim(self) -> int:
+        return self.layers[0].shape[-1] if self.layers else 0
+
+    @property
     def device(self) -> torch.device:
         return self.layers[0].device if self.layers else torch.device("cpu")
 

@@ -14,7 +14,8 @@ _CSRC = Path(__file__).parent / "csrc"
 
 
 # every extension in csrc/, and whether it is built with fast math
-EXTENSIONS = {"panel_linear": False, "fused_elementwise": False, "paged_decode_attention": True, "argmax_rows": False}
+EXTENSIONS = {"panel_linear": False, "fused_elementwise": False, "paged_decode_attention": True,
+              "paged_prefill_attention": False, "argmax_rows": False}
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +57,14 @@ def load_paged_decode_attention():
     Built with -ffast-math so the dot products vectorize (reassociated float sums)."""
     module = _load("paged_decode_attention")
     return None if module is None else module.paged_decode_attention
+
+
+def load_paged_prefill_attention(dtype, head_dim: int):
+    """`paged_prefill_attention(q, k_cache, v_cache, block_table, query_starts, query_lens,
+    context_lens, scale, out)` (writes the chunks' rows of `out`) for `dtype` and `head_dim`, or
+    None: no toolchain, or a CPU or shape the kernel does not cover (it needs AVX-512)."""
+    module = _load("paged_prefill_attention")
+    return None if module is None or not module.supported(dtype, head_dim) else module.paged_prefill_attention
 
 
 def load_add_rms_norm():

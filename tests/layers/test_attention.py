@@ -11,6 +11,7 @@ from shardserve.layers.attention.cpu_backend import CpuNativeAttention
 from shardserve.layers.attention.paged_kv import SeqSpan
 from shardserve.layers.attention.torch_backend import split_by_length
 from shardserve.layers.attention.triton_backend import TritonAttention
+from shardserve.layers.cpu_kernels import load_paged_prefill_attention
 
 BACKENDS = ["torch", pytest.param("cpu_native", marks=pytest.mark.skipif(
     not CpuNativeAttention.available(), reason="no C++ toolchain for the native kernels")),
@@ -26,6 +27,7 @@ class Cache:
     num_blocks = property(lambda self: self.tensor.shape[2])
     block_size = property(lambda self: self.tensor.shape[3])
     num_kv_heads = property(lambda self: self.tensor.shape[1])
+    head_dim = property(lambda self: self.tensor.shape[-1])
     dtype = property(lambda self: self.tensor.dtype)
     device = property(lambda self: self.tensor.device)
 
@@ -103,6 +105,52 @@ def test_native_decode_matches_torch_path(dtype, tol):
     outs = [run(attention_backend(torch.device("cpu"), name), Cache(cache.clone()), spans, batch, q, k, v, dim**-0.5)
             for name in ("torch", "cpu_native")]
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
+
+
+def _native_prefill(dtype, dim):
+    return pytest.mark.skipif(load_paged_prefill_attention(dtype, dim) is None,
+                              reason="the native prefill kernel needs AVX-512 and a C++ toolchain")
+
+
+@pytest.mark.parametrize("dtype, tol, dim", [
+    pytest.param(torch.float32, 1e-5, 64, marks=_native_prefill(torch.float32, 64)),
+    pytest.param(torch.bfloat16, 2e-2, 64, marks=_native_prefill(torch.bfloat16, 64)),
+    pytest.param(torch.bfloat16, 2e-2, 128, marks=_native_prefill(torch.bfloat16, 128))])
+def test_native_prefill_matches_torch_path(dtype, tol, dim):
+    """A decode, a chunk over a cached prefix that spans key blocks and a whole prompt, in one step."""
+    torch.manual_seed(0)
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 64
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, dtype=dtype)
+    tables = torch.randperm(num_blocks)[:3 * 8].view(3, 8).tolist()
+    spans = [SeqSpan(40, 1, tables[0]), SeqSpan(29, 70, tables[1]), SeqSpan(0, 45, tables[2])]
+    tokens = sum(s.num_tokens for s in spans)
+    q, k, v = (torch.randn(tokens, n, dim, dtype=dtype) for n in (heads, kv_heads, kv_heads))
+    outs = [run(attention_backend(torch.device("cpu"), name), Cache(cache.clone()), spans, 1, q, k, v, dim**-0.5)
+            for name in ("torch", "cpu_native")]
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
+
+
+@_native_prefill(torch.bfloat16, 64)
+def test_native_prefill_rows_do_not_depend_on_chunking_or_batch():
+    """A prompt prefilled whole, alone, and in three chunks beside another prompt: the same bits."""
+    torch.manual_seed(0)
+    backend = attention_backend(torch.device("cpu"), "cpu_native")
+    heads, kv_heads, dim, block_size, num_blocks, n = 9, 3, 64, 16, 32, 100
+    q, k, v = (torch.randn(n, h, dim, dtype=torch.bfloat16) for h in (heads, kv_heads, kv_heads))
+    table = list(range(7))
+    whole = run(backend, Cache(torch.zeros(2, kv_heads, num_blocks, block_size, dim, dtype=torch.bfloat16)),
+                [SeqSpan(0, n, table)], 0, q, k, v, dim**-0.5)
+    cache = Cache(torch.zeros(2, kv_heads, num_blocks, block_size, dim, dtype=torch.bfloat16))
+    other = [torch.randn(20, h, dim, dtype=torch.bfloat16) for h in (heads, kv_heads, kv_heads)]
+    pieces = []
+    for start, end in ((0, 33), (33, 64), (64, n)):
+        spans = [SeqSpan(0, 20, list(range(20, 22))), SeqSpan(start, end - start, table)] if start == 0 \
+            else [SeqSpan(start, end - start, table)]
+        parts = [torch.cat([o, t[start:end]]) for o, t in zip(other, (q, k, v))] if start == 0 \
+            else [t[start:end] for t in (q, k, v)]
+        out = run(backend, cache, spans, 0, *parts, dim**-0.5)
+        pieces.append(out[20:] if start == 0 else out)
+    assert torch.equal(torch.cat(pieces), whole)
 
 
 def test_split_by_length_bounds_padding_and_group_count():

@@ -79,6 +79,7 @@ class Cache:
     num_blocks = property(lambda self: self.tensor.shape[2])
     block_size = property(lambda self: self.tensor.shape[3])
     num_kv_heads = property(lambda self: self.tensor.shape[1])
+    head_dim = property(lambda self: self.tensor.shape[-1])
     dtype = property(lambda self: self.tensor.dtype)
     device = property(lambda self: self.tensor.device)
 

@@ -55,7 +55,7 @@ TINY_MOE = dataclasses.replace(TINY, architecture="qwen3_moe", num_experts=4, nu
 class _Cache:  # the geometry build_metadata reads
     def __init__(self, kv: KVCache, device):
         self.num_blocks, self.block_size, self.dtype = kv.num_blocks, kv.block_size, kv.dtype
-        self.num_kv_heads, self.device = kv.layers[0].shape[1], torch.device(device)
+        self.num_kv_heads, self.head_dim, self.device = kv.num_kv_heads, kv.head_dim, torch.device(device)
 
 
 # The MoE forward counts its routed tokens (bincount, .tolist()): data the meta device does not

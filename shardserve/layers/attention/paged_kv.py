@@ -45,6 +45,9 @@ class PagedCache(Protocol):
     def num_kv_heads(self) -> int: ...
 
     @property
+    def head_dim(self) -> int: ...
+
+    @property
     def device(self) -> torch.device: ...
 
 

@@ -1,0 +1,302 @@
+// Paged prefill attention on CPU (AVX-512): the causal attention of prefill chunks, keys and values
+// read from the block pool, where the chunk's own keys were stored just before (so a prefix-cache
+// hit or an earlier chunk costs nothing extra: no gather copy, no mask tensor).
+//
+// Work is cut into tiles of one chunk's query tokens x one kv head: the G query heads sharing the
+// kv head and QT tokens make a tile's R = G * QT query rows (QT = 96 / G), so each key and value
+// is used R times while it sits in L1. The tile walks the context in key blocks of 32 positions,
+// flash-attention style: S = Q K^T for the block, the running max and sum per row updated, the
+// outputs rescaled and P V added; everything in float32 (bf16 widened exactly), 16 lanes.
+//   - Before the tiles run, each (chunk, kv head)'s keys are packed once into transposed float32
+//     blocks [D][32] (S's inner loop then broadcasts one query value against 16 keys) and its
+//     values widened into [32][D]; positions past the context are zero.
+//   - Key blocks sit at fixed absolute positions and a row's sums run over them in order, its
+//     masked keys contributing exact zeros: a query row's result depends on its own position and
+//     the keys before it only, not on how its sequence was chunked or what else is in the batch.
+//   - Tiles late in a sequence see more keys: they are dealt out to the threads longest first,
+//     round robin, so the threads finish together.
+//
+//   q            [T, H, D]                      (float32 or bfloat16, contiguous)
+//   k/v cache    [KV, num_blocks, bs, D]        (same dtype, contiguous)
+//   block_table  [C, max_blocks] int64          one row per chunk
+//   query_starts, query_lens, context_lens [C] int64: chunk c's queries are rows
+//                [query_starts[c], +query_lens[c]) of q, the last query_lens[c] positions of a
+//                context of context_lens[c] tokens
+//   out          [T, H, D]                      only the chunks' rows are written
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include "vector_math.h"
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kKeys = 32;      // keys per block: two 16-lane registers of scores
+constexpr int64_t kTileRows = 96;  // query rows per tile (G heads x QT tokens)
+constexpr int64_t kScoreRows = 8;  // rows per S register block: 16 accumulators
+
+struct Tile {
+  int64_t chunk, kv_head, token_begin, token_end, cost;
+};
+
+// s[r][0:32] = sum_d qf[r][d] * kt[d][0:32] for RN rows (qf already scaled)
+template <int RN>
+inline void score_block(const float* qf, int64_t head_dim, const float* kt, float* s) {
+  __m512 acc[RN][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < RN; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * kKeys), k1 = _mm512_loadu_ps(kt + d * kKeys + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < RN; ++r) {
+      const __m512 qv = _mm512_set1_ps(qf[r * head_dim + d]);
+      acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RN; ++r) {
+    _mm512_storeu_ps(s + r * kKeys, acc[r][0]);
+    _mm512_storeu_ps(s + r * kKeys + 16, acc[r][1]);
+  }
+}
+
+// o[r] = o[r] * alpha[r] + sum_j p[r][j] * v[j] for RN rows of ND 16-lane vectors each
+template <int ND, int RN>
+inline void accumulate_block(const float* p, const float* v, const float* alpha, float* o) {
+  constexpr int64_t head_dim = ND * 16;
+  __m512 acc[RN][ND];
+#pragma GCC unroll 12
+  for (int r = 0; r < RN; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kKeys; ++j) {
+    __m512 vj[ND];
+#pragma GCC unroll 8
+    for (int c = 0; c < ND; ++c) vj[c] = _mm512_loadu_ps(v + j * head_dim + c * 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < RN; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * kKeys + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vj[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < RN; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 8
+    for (int c = 0; c < ND; ++c) {
+      float* dst = o + r * head_dim + c * 16;
+      _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), a, acc[r][c]));
+    }
+  }
+}
+
+template <int RN>
+void score_rows(const float* qf, int64_t head_dim, const float* kt, float* s, int64_t rows) {
+  int64_t r = 0;
+  for (; r + RN <= rows; r += RN) score_block<RN>(qf + r * head_dim, head_dim, kt, s + r * kKeys);
+  switch (rows - r) {
+    case 0: break;
+    case 1: score_block<1>(qf + r * head_dim, head_dim, kt, s + r * kKeys); break;
+    case 2: score_block<2>(qf + r * head_dim, head_dim, kt, s + r * kKeys); break;
+    case 3: score_block<3>(qf + r * head_dim, head_dim, kt, s + r * kKeys); break;
+    case 4: score_block<4>(qf + r * head_dim, head_dim, kt, s + r * kKeys); break;
+    case 5: score_block<5>(qf + r * head_dim, head_dim, kt, s + r * kKeys); break;
+    case 6: score_block<6>(qf + r * head_dim, head_dim, kt, s + r * kKeys); break;
+    default: score_block<7>(qf + r * head_dim, head_dim, kt, s + r * kKeys); break;
+  }
+}
+
+// rows of o in register blocks of RN = 24 / ND rows (24 accumulators), then the remainder one by one
+template <int ND>
+void accumulate_rows(const float* p, const float* v, const float* alpha, float* o, int64_t rows) {
+  constexpr int RN = 24 / ND;
+  int64_t r = 0;
+  for (; r + RN <= rows; r += RN) accumulate_block<ND, RN>(p + r * kKeys, v, alpha + r, o + r * ND * 16);
+  for (; r < rows; ++r) accumulate_block<ND, 1>(p + r * kKeys, v, alpha + r, o + r * ND * 16);
+}
+
+void accumulate(int64_t head_dim, const float* p, const float* v, const float* alpha, float* o, int64_t rows) {
+  switch (head_dim) {
+    case 32: accumulate_rows<2>(p, v, alpha, o, rows); break;
+    case 64: accumulate_rows<4>(p, v, alpha, o, rows); break;
+    default: accumulate_rows<8>(p, v, alpha, o, rows); break;
+  }
+}
+
+// keys of positions [block * 32, +32) of one (chunk, kv head), transposed: kt[d][j]; values
+// widened: v[j][d]; positions at or past context_len are zero
+template <typename T>
+void pack_block(const T* k_base, const T* v_base, const int64_t* table, int64_t block, int64_t context_len,
+                int64_t block_size, int64_t head_dim, float* kt, float* v) {
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t pos = block * kKeys + j;
+    if (pos >= context_len) {
+      for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeys + j] = 0.f;
+      std::fill(v + j * head_dim, v + (j + 1) * head_dim, 0.f);
+      continue;
+    }
+    const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * head_dim;
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      alignas(64) float widened[16];
+      _mm512_store_ps(widened, load16(k_base + row + d));
+      for (int i = 0; i < 16; ++i) kt[(d + i) * kKeys + j] = widened[i];
+      _mm512_storeu_ps(v + j * head_dim + d, load16(v_base + row + d));
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+         const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens, float scale,
+         at::Tensor& out) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, num_chunks = block_table.size(0), max_blocks = block_table.size(1);
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t* lens = query_lens.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_table.data_ptr<int64_t>();
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+
+  // pack each (chunk, kv head)'s keys and values once: block offsets per chunk
+  std::vector<int64_t> block_offset(num_chunks + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) block_offset[c + 1] = block_offset[c] + (ctx[c] + kKeys - 1) / kKeys;
+  const int64_t block_floats = kKeys * head_dim, total_blocks = block_offset[num_chunks];
+  std::vector<float> packed_k(num_kv_heads * total_blocks * block_floats), packed_v(packed_k.size());
+  auto packed_at = [&](std::vector<float>& buf, int64_t kv, int64_t c, int64_t b) {
+    return buf.data() + ((kv * total_blocks) + block_offset[c] + b) * block_floats;
+  };
+  at::parallel_for(0, num_kv_heads * total_blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv = item / total_blocks, flat = item % total_blocks;
+      const int64_t c = std::upper_bound(block_offset.begin(), block_offset.end(), flat) - block_offset.begin() - 1;
+      const int64_t b = flat - block_offset[c];
+      const int64_t head_offset = kv * num_blocks * block_size * head_dim;
+      pack_block<T>(k_ptr + head_offset, v_ptr + head_offset, tables + c * max_blocks, b, ctx[c], block_size,
+                    head_dim, packed_at(packed_k, kv, c, b), packed_at(packed_v, kv, c, b));
+    }
+  });
+
+  std::vector<Tile> tiles;
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t t0 = 0; t0 < lens[c]; t0 += tile_tokens) {
+      const int64_t t1 = std::min(lens[c], t0 + tile_tokens);
+      const int64_t last_pos = ctx[c] - lens[c] + t1 - 1;
+      for (int64_t kv = 0; kv < num_kv_heads; ++kv) tiles.push_back({c, kv, t0, t1, (t1 - t0) * (last_pos + 1)});
+    }
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tiles.size()));
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows_max = tile_tokens * group;
+    std::vector<float> qf(rows_max * head_dim), o(rows_max * head_dim), s(rows_max * kKeys);
+    std::vector<float> row_max(rows_max), row_sum(rows_max), alpha(rows_max);
+    std::vector<int64_t> row_pos(rows_max);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (size_t i = worker; i < tiles.size(); i += num_workers) {
+        const Tile& tile = tiles[i];
+        const int64_t c = tile.chunk, first_pos = ctx[c] - lens[c];
+        const int64_t rows = (tile.token_end - tile.token_begin) * group;
+        // row r = (token, head g): query head kv * group + g
+        for (int64_t t = tile.token_begin; t < tile.token_end; ++t)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (t - tile.token_begin) * group + g;
+            const T* src = q_ptr + ((starts[c] + t) * num_heads + tile.kv_head * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 16)
+              _mm512_storeu_ps(&qf[r * head_dim + d], _mm512_mul_ps(load16(src + d), _mm512_set1_ps(scale)));
+            row_pos[r] = first_pos + t;
+          }
+        std::fill(o.begin(), o.begin() + rows * head_dim, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
+        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+        const int64_t last_block = row_pos[rows - 1] / kKeys;
+        for (int64_t b = 0; b <= last_block; ++b) {
+          score_rows<kScoreRows>(qf.data(), head_dim, packed_at(packed_k, tile.kv_head, c, b), s.data(), rows);
+          for (int64_t r = 0; r < rows; ++r) {  // online softmax: the row's running max and sum
+            float* sr = &s[r * kKeys];
+            const int64_t valid = std::clamp<int64_t>(row_pos[r] - b * kKeys + 1, 0, kKeys);
+            if (valid == 0) {  // every key of the block is after this row: nothing changes
+              std::fill(sr, sr + kKeys, 0.f);
+              alpha[r] = 1.f;
+              continue;
+            }
+            const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+            const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+            const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+            const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+            const float block_max = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_mask_mov_ps(neg_inf, m0, s0), _mm512_mask_mov_ps(neg_inf, m1, s1)));
+            const float new_max = std::max(row_max[r], block_max);
+            const __m512 vmax = _mm512_set1_ps(new_max);
+            const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_nonpositive(_mm512_sub_ps(s0, vmax)));
+            const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_nonpositive(_mm512_sub_ps(s1, vmax)));
+            _mm512_storeu_ps(sr, p0);
+            _mm512_storeu_ps(sr + 16, p1);
+            alpha[r] = row_max[r] == -INFINITY ? 0.f : std::exp(row_max[r] - new_max);
+            row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            row_max[r] = new_max;
+          }
+          accumulate(head_dim, s.data(), packed_at(packed_v, tile.kv_head, c, b), alpha.data(), o.data(), rows);
+        }
+        for (int64_t t = tile.token_begin; t < tile.token_end; ++t)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (t - tile.token_begin) * group + g;
+            T* dst = out_ptr + ((starts[c] + t) * num_heads + tile.kv_head * group + g) * head_dim;
+            const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+            for (int64_t d = 0; d < head_dim; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&o[r * head_dim + d]), inv));
+          }
+      }
+    }
+  });
+}
+#endif  // __AVX512F__
+
+}  // namespace
+
+bool supported(at::ScalarType dtype, int64_t head_dim) {
+#if defined(__AVX512F__)
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && (head_dim == 32 || head_dim == 64 || head_dim == 128);
+#else
+  return false;
+#endif
+}
+
+void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                             at::Tensor query_starts, at::Tensor query_lens, at::Tensor context_lens, double scale,
+                             at::Tensor out) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+              "inputs must be contiguous");
+  TORCH_CHECK(supported(q.scalar_type(), q.size(2)), "paged_prefill_attention: unsupported dtype or head_dim");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), "dtypes must match");
+  for (const auto& t : {block_table, query_starts, query_lens, context_lens})
+    TORCH_CHECK(t.scalar_type() == at::kLong, "block_table and lengths must be int64");
+  if (block_table.size(0) == 0) return;
+#if defined(__AVX512F__)
+  const auto table = block_table.contiguous(), starts = query_starts.contiguous(), lens = query_lens.contiguous(),
+             ctx = context_lens.contiguous();
+  if (q.scalar_type() == at::kFloat)
+    run<float>(q, k_cache, v_cache, table, starts, lens, ctx, static_cast<float>(scale), out);
+  else
+    run<c10::BFloat16>(q, k_cache, v_cache, table, starts, lens, ctx, static_cast<float>(scale), out);
+#endif
+}
+
+// Registered as torch ops (not a pybind module, as the other kernels: compile time, and the op
+// call lets go of the GIL).
+TORCH_LIBRARY(shardserve_paged_prefill_attention, m) {
+  m.def("supported(ScalarType dtype, int head_dim) -> bool", &supported);
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor query_starts, "
+        "Tensor query_lens, Tensor context_lens, float scale, Tensor(a!) out) -> ()", &paged_prefill_attention);
+}
