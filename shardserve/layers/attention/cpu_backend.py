@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -23,8 +24,10 @@ from shardserve.layers.rotary import apply_rotary
 
 @dataclass
 class PrefillTables:
-    """The native prefill kernel's view of a step's chunks, one row each."""
+    """The native prefill kernel's view of a step's chunks, one row each, and the kernel itself
+    (looked up once per step, not once per layer)."""
 
+    kernel: Callable
     block_table: torch.Tensor  # [chunks, max_blocks] int64 (padded with block 0)
     query_starts: torch.Tensor  # [chunks] int64: the chunk's first row in the packed batch
     query_lens: torch.Tensor  # [chunks] int64
@@ -66,12 +69,13 @@ class CpuNativeAttention:
         chunks = spans[num_decodes:]
         if not chunks:
             return meta
-        if load_paged_prefill_attention(cache.dtype, cache.head_dim) is None:
+        kernel = load_paged_prefill_attention(cache.dtype, cache.head_dim)
+        if kernel is None:
             meta.prefills = prefill_chunks(spans, num_decodes, cache)
             return meta
         tables, context_lens = padded_block_tables(chunks, cache.block_size)
         starts = list(accumulate((s.num_tokens for s in chunks[:-1]), initial=num_decodes))
-        meta.prefill_tables = PrefillTables(tensor(tables), tensor(starts), tensor([s.num_tokens for s in chunks]),
+        meta.prefill_tables = PrefillTables(kernel, tensor(tables), tensor(starts), tensor([s.num_tokens for s in chunks]),
                                             tensor(context_lens))
         return meta
 
@@ -89,8 +93,7 @@ class CpuNativeAttention:
             out[:n] = decoded
         if meta.prefill_tables is not None:
             tables = meta.prefill_tables
-            kernel = load_paged_prefill_attention(q.dtype, q.shape[-1])
-            kernel(q.contiguous(), kv_cache[0], kv_cache[1], tables.block_table, tables.query_starts,
+            tables.kernel(q.contiguous(), kv_cache[0], kv_cache[1], tables.block_table, tables.query_starts,
                    tables.query_lens, tables.context_lens, scale, out)
         else:
             v = qkv[:, num_heads + k.shape[1] :]
