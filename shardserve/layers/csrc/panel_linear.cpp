@@ -18,7 +18,8 @@
 //     (prefill) each thread takes the rows a chunk at a time, so the chunk stays in L2 while the
 //     thread's panels pass over it.
 // Each output is a sum over k in a fixed order that does not depend on M: a row gets the same
-// result whatever else is in the batch.
+// result whatever else is in the batch. Where the CPU has AMX, bf16 runs on tiles instead
+// (panel_linear_amx.h), over the same packed panels, for every row count.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -29,6 +30,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "panel_linear_amx.h"
 
 namespace {
 
@@ -46,6 +48,17 @@ constexpr int64_t kMaxRows = 1;
 #endif
 constexpr int64_t kRowChunk = 8 * kMaxRows;  // rows a thread takes at a time (x's chunk stays in L2)
 constexpr int64_t kMinThreadWork = 1 << 16;  // multiply-adds
+#if defined(SHARDSERVE_AMX_KERNEL)
+constexpr int64_t kBf16KAlign = amx::kStepK;  // bf16 weights padded in k to whole tile steps
+#else
+constexpr int64_t kBf16KAlign = 2;  // to whole pairs
+#endif
+
+// Threads only where each gets enough work to repay waking it (and its spinning afterwards,
+// which on a small host takes cores from the server's other threads): tiny layers run serially.
+inline int64_t panel_grain(int64_t m, int64_t k) {
+  return std::max<int64_t>(1, kMinThreadWork / std::max<int64_t>(1, m * kPanel * k));
+}
 
 #if defined(__AVX512F__)
 // One block of R rows against one panel, in float32 sums. Per step of the k loop: two 64-byte
@@ -166,10 +179,7 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float
   T* yd = y.data_ptr<T>();
   const int64_t ldx = x.size(1), panel_elems = ksteps * kw * kPanel;
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
-  // Threads only where each gets enough work to repay waking it (and its spinning afterwards,
-  // which on a small host takes cores from the server's other threads): tiny layers run serially.
-  const int64_t grain = std::max<int64_t>(1, kMinThreadWork / std::max<int64_t>(1, m * kPanel * ksteps * kw));
-  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_panels, panel_grain(m, ksteps * kw), [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < m; chunk += kRowChunk) {
       const int64_t chunk_end = std::min(m, chunk + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
@@ -189,6 +199,46 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float
 }
 #endif
 
+#if defined(SHARDSERVE_AMX_KERNEL)
+constexpr int64_t kAmxRowChunk = 4 * amx::kBlockRows;
+
+// The same loops as run_linear with a block of 32 rows on tiles; each thread configures its own
+// tiles (the tile state is per thread) and releases them when its share is done.
+at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+  using T = c10::BFloat16;
+  const int64_t m = x.size(0), k = packed.size(1) * 2, ksteps = k / amx::kStepK;
+  auto y = at::empty({m, n}, x.options());
+  const T* xd = x.data_ptr<T>();
+  const T* wd = packed.data_ptr<T>();
+  T* yd = y.data_ptr<T>();
+  const int64_t ldx = x.size(1), panel_elems = k * kPanel, num_panels = packed.size(0);
+  at::parallel_for(0, num_panels, panel_grain(m, k), [&](int64_t begin, int64_t end) {
+    int64_t configured = 0;  // the block height the tiles are shaped for
+    for (int64_t chunk = 0; chunk < m; chunk += kAmxRowChunk) {
+      const int64_t chunk_end = std::min(m, chunk + kAmxRowChunk);
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const T* w = wd + panel * panel_elems;
+        const T* next = panel + 1 < end ? w + panel_elems : nullptr;
+        const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
+        for (int64_t row = chunk; row < chunk_end; row += amx::kBlockRows) {
+          const int64_t rows = std::min(amx::kBlockRows, chunk_end - row);
+          if (rows != configured) {
+            const amx::TileConfig cfg = amx::config_for(rows);
+            _tile_loadconfig(&cfg);
+            configured = rows;
+          }
+          const auto block = rows > 16 ? amx::block<true> : amx::block<false>;
+          block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, rows, cols,
+                row == chunk ? next : nullptr);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#endif
+
 }  // namespace
 
 bool supported(at::ScalarType dtype) {
@@ -201,12 +251,19 @@ bool supported(at::ScalarType dtype) {
   return false;
 }
 
-// W [N, K] -> panels [ceil(N/P)][ceil(K/kw)][P][kw], zero-padded (kw: 2 for bf16, 1 for float32).
+// The k extent of a packed weight (and of x as the kernels read it) for `k` input features.
+int64_t padded_k(at::ScalarType dtype, int64_t k) {
+  const int64_t align = dtype == at::kBFloat16 ? kBf16KAlign : 1;
+  return (k + align - 1) / align * align;
+}
+
+// W [N, K] -> panels [ceil(N/P)][K'/kw][P][kw], zero-padded (kw: 2 for bf16, 1 for float32;
+// K' = padded_k(K): whole pairs, or whole AMX tile steps where the build has the AMX kernel).
 at::Tensor pack(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && supported(weight.scalar_type()), "pack: weight must be 2-D bfloat16 or float32");
   const int64_t kw = weight.scalar_type() == at::kBFloat16 ? 2 : 1;
   const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel, k_pad = (k + kw - 1) / kw * kw;
+  const int64_t n_pad = (n + kPanel - 1) / kPanel * kPanel, k_pad = padded_k(weight.scalar_type(), k);
   auto padded = weight;  // a zero-padded copy only where needed: packing a large weight must not
   if (n_pad != n || k_pad != k) {  // hold three copies of it at once
     padded = at::zeros({n_pad, k_pad}, weight.options());
@@ -219,8 +276,8 @@ at::Tensor pack(at::Tensor weight) {
 at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && supported(x.scalar_type()) && packed.scalar_type() == x.scalar_type(),
               "linear: x must be 2-D, of the packed weight's dtype");
-  const int64_t kw = packed.size(3);
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && (x.size(1) + kw - 1) / kw == packed.size(1),
+  const int64_t k_pad = padded_k(x.scalar_type(), x.size(1));
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(1) * packed.size(3) == k_pad,
               "linear: packed weight does not match x");
   TORCH_CHECK(packed.size(0) * kPanel >= n, "linear: packed weight has fewer than n rows");
   at::Tensor bias32;  // padded to whole panels, so the last panel's bias load stays in bounds
@@ -230,9 +287,12 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
   }
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   x = x.contiguous();
-  if (x.size(1) % kw) x = at::constant_pad_nd(x, {0, 1});  // the last k's pair meets zero weights
+  if (x.size(1) != k_pad) x = at::constant_pad_nd(x, {0, k_pad - x.size(1)});  // meets zero weights
 #if defined(SHARDSERVE_PANEL_KERNEL)
   if (x.scalar_type() == at::kFloat) return run_linear<float>(x, packed, b, n);
+#endif
+#if defined(SHARDSERVE_AMX_KERNEL)
+  if (amx::permitted()) return run_linear_amx(x, packed, b, n);
 #endif
 #if defined(__AVX512BF16__)
   return run_linear<c10::BFloat16>(x, packed, b, n);

@@ -1,0 +1,116 @@
+// The panel linear kernel on AMX tiles (bfloat16, Sapphire Rapids and later); included by
+// panel_linear.cpp, which owns the packing and the threading.
+//
+// The packed weight needs no layout of its own: a panel ([K/2][32 columns][2]) read 16 k pairs
+// at a time is two AMX B tiles side by side, rows 128 bytes apart:
+//
+//   panel bytes, k pair p:  | cols 0-15 x pair (64 B) | cols 16-31 x pair (64 B) |
+//                             ^ B tile 0, row p % 16    ^ B tile 1, row p % 16
+//
+// One block of up to 32 rows of x against one panel keeps all eight tiles busy:
+//   tmm0 tmm1   C: rows 0-15  x cols 0-15 | cols 16-31     (float32 sums)
+//   tmm2 tmm3   C: rows 16-31 x cols 0-15 | cols 16-31
+//   tmm4 tmm5   A: rows 0-15 | rows 16-31 of x, 32 k values
+//   tmm6 tmm7   B: the panel's two column halves, 32 k values
+// Each row's sums run over k in the same order whatever the block's height, so a row's result
+// does not depend on the batch (as with the vector kernel, whose rounding it does not share:
+// one dtype takes one kernel for every row count).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SHARDSERVE_AMX_KERNEL 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace amx {
+
+constexpr int64_t kBlockRows = 32;  // rows of x per block: two A tiles
+constexpr int64_t kStepK = 32;      // k values per tile step: 16 pairs
+
+// The 64-byte operand of ldtilecfg (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row
+  uint8_t rows[16] = {};
+};
+
+// Tiles shaped for a block of `rows` (1..32) rows; tiles a short block does not use stay
+// unconfigured (zero rows and bytes, as the architecture requires of unused tiles).
+inline TileConfig config_for(int64_t rows) {
+  TileConfig cfg;
+  const uint8_t top = static_cast<uint8_t>(std::min<int64_t>(rows, 16)), bottom = static_cast<uint8_t>(rows - top);
+  const uint8_t height[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = height[t];
+    cfg.colsb[t] = height[t] ? 64 : 0;
+  }
+  return cfg;
+}
+
+// Linux hands the tile state only to a process that asks for it, once.
+inline bool permitted() {
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
+  }();
+  return granted;
+}
+
+// y[rows, cols] = x[rows, :] W_panel^T (+ bias), with the tiles configured by config_for(rows).
+// x: `ksteps` * 32 readable values per row, `ldx` apart; bias: 32 float32 values or null.
+template <bool kTwoRowTiles>
+inline void block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
+                  const float* bias, c10::BFloat16* y, int64_t ldy, int64_t rows, int64_t cols,
+                  const c10::BFloat16* prefetch) {
+  if (bias) {  // every row starts from the bias: a stride-0 load repeats one row
+    _tile_loadd(0, bias, 0);
+    _tile_loadd(1, bias + 16, 0);
+    if constexpr (kTwoRowTiles) {
+      _tile_loadd(2, bias, 0);
+      _tile_loadd(3, bias + 16, 0);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTwoRowTiles) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  const int64_t x_stride = ldx * 2;
+  for (int64_t s = 0; s < ksteps; ++s) {
+    const c10::BFloat16* w = panel + s * kStepK * 32;  // 16 pairs x 32 columns x 2
+    if (prefetch) {  // the next panel's same 2 KB, one cache line at a time
+      const char* p = reinterpret_cast<const char*>(prefetch + s * kStepK * 32);
+      for (int line = 0; line < 32; ++line) _mm_prefetch(p + line * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(6, w, 128);
+    _tile_loadd(7, w + 32, 128);
+    _tile_loadd(4, x + s * kStepK, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwoRowTiles) {
+      _tile_loadd(5, x + 16 * ldx + s * kStepK, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[kBlockRows][32];
+  _tile_stored(0, &sums[0][0], 128);
+  _tile_stored(1, &sums[0][16], 128);
+  if constexpr (kTwoRowTiles) {
+    _tile_stored(2, &sums[16][0], 128);
+    _tile_stored(3, &sums[16][16], 128);
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int64_t r = 0; r < rows; ++r) {  // float32 -> bfloat16 to nearest even, as torch rounds
+    _mm256_mask_storeu_epi16(y + r * ldy, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&sums[r][0])));
+    _mm256_mask_storeu_epi16(y + r * ldy + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&sums[r][16])));
+  }
+}
+
+}  // namespace amx
+#endif  // __AMX_TILE__ && __AMX_BF16__
