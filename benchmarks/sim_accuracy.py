@@ -80,7 +80,7 @@ def calibrate(out_dir: Path, dtype: str) -> Path:
 
 def sim_config(calibration: Calibrated, request_s: float, token_s: float,
                costs: tuple[float, float, float] = (1.0, 1.0, 0.0)):
-    from shardserve.config import ParallelConfig, SchedulerConfig
+    from shardserve.config import ParallelConfig, SchedulerConfig, serving_token_budget
     from shardserve.planner.model_presets import resolve_model
     from shardserve.sim.fleet_setup import engine_num_kv_blocks, resolve_deployment
     from shardserve.sim.replica import ReplicaSetup
@@ -90,7 +90,9 @@ def sim_config(calibration: Calibrated, request_s: float, token_s: float,
     deployment = resolve_deployment(model, "this-host", calibration.dtype, ParallelConfig(), str(calibration.path))
     max_model_len = model.max_position_embeddings
     num_blocks = engine_num_kv_blocks(deployment, 16, max_model_len, KV_CACHE_BYTES)
-    setup = ReplicaSetup(SchedulerConfig(), num_blocks, 16, True, max_model_len)  # `shardserve serve` defaults
+    # `shardserve serve` defaults on this host
+    setup = ReplicaSetup(SchedulerConfig(max_num_batched_tokens=serving_token_budget("cpu")), num_blocks, 16, True,
+                         max_model_len)
     return SimConfig(deployment, setup, 1, router=None, overheads=ServingOverheads(request_s, token_s, *costs))
 
 

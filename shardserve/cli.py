@@ -49,12 +49,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from shardserve.config import ServerConfig
+    from shardserve.config import ServerConfig, serving_token_budget
     from shardserve.llm import engine_config_from_kwargs
     from shardserve.server.auth import auth_from_args, tls_from_args
     from shardserve.server.serve import run_server
 
     model = args.model_pos or args.model
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = serving_token_budget(args.device)
     server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                           log_level=args.log_level, tool_call_parser=args.tool_call_parser, **tls_from_args(args),

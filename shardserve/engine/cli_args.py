@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from shardserve.config import SchedulerConfig
 from shardserve.dtypes import ENGINE_DTYPES
 
 
@@ -18,7 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(default 0.85 on GPU, 0.1 on CPU)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per engine step (default: 2048; `serve` on a CPU: 512, for TTFT)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-threads", type=int, default=None,
@@ -48,7 +50,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed,
         kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         generation_config=args.generation_config, skip_tokenizer_init=args.skip_tokenizer_init, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=(SchedulerConfig.max_num_batched_tokens if args.max_num_batched_tokens is None
+                                else args.max_num_batched_tokens),
+        enable_prefix_caching=not args.no_prefix_caching,
         tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, num_micro_batches=args.num_micro_batches,
         pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),
         num_redundant_experts=args.num_redundant_experts,

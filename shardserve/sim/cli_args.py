@@ -48,7 +48,8 @@ def add_simulate_parser(subparsers) -> None:
                      help="of the memory free after the weights (default 0.85 on an accelerator, 0.1 on a CPU host)")
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--max-num-seqs", type=int, default=128)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="default: as `shardserve serve` on the device (512 on a CPU host, else 2048)")
     eng.add_argument("--no-prefix-caching", action="store_true")
     eng.add_argument("--max-waiting-requests", type=int, default=256, help="unscheduled requests beyond this get 429")
     srv = p.add_argument_group("serving overheads (benchmarks/sim_accuracy.py measures them against a server)")
@@ -68,15 +69,15 @@ def add_simulate_parser(subparsers) -> None:
 
 def build_sim_config(args: argparse.Namespace):
     """The SimConfig the flags describe (resolves the model, device, calibration and KV blocks)."""
-    from shardserve.config import ConfigError, ParallelConfig, RouterConfig, SchedulerConfig
+    from shardserve.config import ConfigError, ParallelConfig, RouterConfig, SchedulerConfig, serving_token_budget
     from shardserve.planner.model_presets import resolve_model
     from shardserve.router.policies import make_policy
-    from shardserve.sim.fleet_setup import engine_num_kv_blocks, resolve_deployment
+    from shardserve.sim.fleet_setup import engine_num_kv_blocks, is_cpu_host, resolve_deployment
     from shardserve.sim.replica import ReplicaSetup
     from shardserve.sim.simulation import ServingOverheads, SimConfig
 
     for flag, value in (("--replicas", args.replicas), ("--block-size", args.block_size),
-                        ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", 1 if args.max_num_batched_tokens is None else args.max_num_batched_tokens),
                         ("--max-waiting-requests", args.max_waiting_requests),
                         ("--max-outstanding-per-replica", args.max_outstanding_per_replica)):
         if value < 1:
@@ -91,8 +92,11 @@ def build_sim_config(args: argparse.Namespace):
     max_model_len = args.max_model_len or model.max_position_embeddings
     num_blocks = engine_num_kv_blocks(deployment, args.block_size, max_model_len, args.kv_cache_memory,
                                       args.kv_cache_memory_fraction)
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = serving_token_budget("cpu" if is_cpu_host(deployment.hardware) else "cuda")
     setup = ReplicaSetup(
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs),
         num_kv_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=max_model_len, max_waiting_requests=args.max_waiting_requests)
     router = None
