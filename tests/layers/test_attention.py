@@ -94,9 +94,10 @@ def test_pure_decode_batch_with_padding_matches_dense_attention(name):
 
 @pytest.mark.skipif(not CpuNativeAttention.available(), reason="no C++ toolchain for the native kernels")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_matches_torch_path(dtype, tol):
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (16, 2, 128)])  # bf16 with AMX: 1 and 4 tile steps
+def test_native_decode_matches_torch_path(dtype, tol, heads, kv_heads, dim):
     torch.manual_seed(0)
-    heads, kv_heads, dim, block_size, num_blocks, batch = 9, 3, 64, 16, 64, 5
+    block_size, num_blocks, batch = 16, 64, 5
     cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, dtype=dtype)
     lens = [64, 40, 33, 17, 1]
     tables = torch.randperm(num_blocks)[: batch * 4].view(batch, 4).tolist()

@@ -17,45 +17,23 @@
 // one dtype takes one kernel for every row count).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+
+#if defined(SHARDSERVE_AMX)
 #define SHARDSERVE_AMX_KERNEL 1
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace amx {
 
 constexpr int64_t kBlockRows = 32;  // rows of x per block: two A tiles
 constexpr int64_t kStepK = 32;      // k values per tile step: 16 pairs
 
-// The 64-byte operand of ldtilecfg (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes per row
-  uint8_t rows[16] = {};
-};
-
-// Tiles shaped for a block of `rows` (1..32) rows; tiles a short block does not use stay
-// unconfigured (zero rows and bytes, as the architecture requires of unused tiles).
+// Tiles shaped for a block of `rows` (1..32) rows; a short block leaves the bottom ones unused.
 inline TileConfig config_for(int64_t rows) {
   TileConfig cfg;
   const uint8_t top = static_cast<uint8_t>(std::min<int64_t>(rows, 16)), bottom = static_cast<uint8_t>(rows - top);
   const uint8_t height[8] = {top, top, bottom, bottom, top, bottom, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = height[t];
-    cfg.colsb[t] = height[t] ? 64 : 0;
-  }
+  for (int t = 0; t < 8; ++t) cfg.shape(t, height[t], height[t] ? 64 : 0);
   return cfg;
-}
-
-// Linux hands the tile state only to a process that asks for it, once.
-inline bool permitted() {
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
-  }();
-  return granted;
 }
 
 // y[rows, cols] = x[rows, :] W_panel^T (+ bias), with the tiles configured by config_for(rows).
@@ -113,4 +91,4 @@ inline void block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* pane
 }
 
 }  // namespace amx
-#endif  // __AMX_TILE__ && __AMX_BF16__
+#endif  // SHARDSERVE_AMX
