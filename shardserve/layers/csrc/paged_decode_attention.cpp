@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -466,17 +467,26 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   tiles = std::is_same_v<T, c10::BFloat16> && tile_scores::fit(head_dim, block_size, group);
   const amx::TileConfig cfg = tile_scores::config(group);
 #endif
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Sequences longest first, dealt out round robin, so threads finish together when contexts
+  // differ (a static split in batch order left one thread with most of the long ones).
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  const int64_t num_items = num_seqs * num_kv_heads;
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, qf(group * head_dim), tile(block_size * head_dim);
 #if defined(SHARDSERVE_AMX)
     if (tiles) _tile_loadconfig(&cfg);
 #endif
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
-      attend_one<T>(q_ptr + offset, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq], kv_head,
-                    num_blocks, block_size, group, head_dim, static_cast<float>(scale), out_ptr + offset,
-                    scores, acc, qf, tile, tiles);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t item = w; item < num_items; item += num_workers) {
+        const int64_t seq = order[item / num_kv_heads], kv_head = item % num_kv_heads;
+        const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
+        attend_one<T>(q_ptr + offset, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq], kv_head,
+                      num_blocks, block_size, group, head_dim, static_cast<float>(scale), out_ptr + offset,
+                      scores, acc, qf, tile, tiles);
+      }
     }
 #if defined(SHARDSERVE_AMX)
     if (tiles) _tile_release();
