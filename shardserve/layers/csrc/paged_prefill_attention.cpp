@@ -28,11 +28,13 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include "vector_math.h"
 #endif
+#include "amx_panel.h"
 
 namespace {
 
@@ -132,26 +134,106 @@ void accumulate(int64_t head_dim, const float* p, const float* v, const float* a
 }
 
 // keys of positions [block * 32, +32) of one (chunk, kv head), transposed: kt[d][j]; values
-// widened: v[j][d]; positions at or past context_len are zero
+// widened: v[j][d] (either null where it goes to tiles); positions at or past context_len are zero
 template <typename T>
 void pack_block(const T* k_base, const T* v_base, const int64_t* table, int64_t block, int64_t context_len,
                 int64_t block_size, int64_t head_dim, float* kt, float* v) {
   for (int64_t j = 0; j < kKeys; ++j) {
     const int64_t pos = block * kKeys + j;
     if (pos >= context_len) {
-      for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeys + j] = 0.f;
-      std::fill(v + j * head_dim, v + (j + 1) * head_dim, 0.f);
+      if (kt)
+        for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeys + j] = 0.f;
+      if (v) std::fill(v + j * head_dim, v + (j + 1) * head_dim, 0.f);
       continue;
     }
     const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * head_dim;
     for (int64_t d = 0; d < head_dim; d += 16) {
-      alignas(64) float widened[16];
-      _mm512_store_ps(widened, load16(k_base + row + d));
-      for (int i = 0; i < 16; ++i) kt[(d + i) * kKeys + j] = widened[i];
-      _mm512_storeu_ps(v + j * head_dim + d, load16(v_base + row + d));
+      if (kt) {
+        alignas(64) float widened[16];
+        _mm512_store_ps(widened, load16(k_base + row + d));
+        for (int i = 0; i < 16; ++i) kt[(d + i) * kKeys + j] = widened[i];
+      }
+      if (v) _mm512_storeu_ps(v + j * head_dim + d, load16(v_base + row + d));
     }
   }
 }
+
+#if defined(SHARDSERVE_AMX)
+// With AMX (bf16, head_dim a multiple of 32) both products run on tiles, as 32-column panels
+// (amx_panel.h), zero past the context:
+//   keys:   one panel, kp[d / 2][j] = the pair K[j][d], K[j][d + 1]; 32 query rows at a time meet
+//           it as A tiles, unscaled (the scale is applied to S in float32);
+//   values: head_dim / 32 panels, vp[p][j / 2][e] = the pair V[j][32 p + e], V[j + 1][32 p + e];
+//           the probabilities, rounded to bf16 (as torch's CPU flash attention and GPU kernels
+//           round them), are the A tiles, and the float32 sums are added to the outputs.
+void pack_keys_panel(const c10::BFloat16* k_base, const int64_t* table, int64_t block, int64_t context_len,
+                     int64_t block_size, int64_t head_dim, c10::BFloat16* panel) {
+  uint32_t* kp = reinterpret_cast<uint32_t*>(panel);
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t pos = block * kKeys + j;
+    const uint32_t* pairs = nullptr;
+    if (pos < context_len)
+      pairs = reinterpret_cast<const uint32_t*>(k_base + (table[pos / block_size] * block_size + pos % block_size) * head_dim);
+    for (int64_t dp = 0; dp < head_dim / 2; ++dp) kp[dp * kKeys + j] = pairs ? pairs[dp] : 0u;
+  }
+}
+
+void pack_values_panels(const c10::BFloat16* v_base, const int64_t* table, int64_t block, int64_t context_len,
+                        int64_t block_size, int64_t head_dim, c10::BFloat16* panels) {
+  const c10::BFloat16 zero(0.f);
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t pos = block * kKeys + j;
+    const c10::BFloat16* row =
+        pos < context_len ? v_base + (table[pos / block_size] * block_size + pos % block_size) * head_dim : nullptr;
+    for (int64_t d = 0; d < head_dim; ++d)  // panel d / 32, pair row j / 2, column d % 32, half j % 2
+      panels[(d / 32) * kKeys * 32 + (j / 2) * 64 + (d % 32) * 2 + (j % 2)] = row ? row[d] : zero;
+  }
+}
+
+// o[r] = o[r] * alpha[r] + sum_j p[r][j] v[j] for `rows` rows: p (float32, 32 per row) rounded to
+// bf16 into pb, products on tiles into sums, added in float32
+void accumulate_tiles(const float* p, const c10::BFloat16* panels, const float* alpha, float* o, int64_t rows,
+                      int64_t head_dim, c10::BFloat16* pb, float* sums, int64_t& configured) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_loadu_ps(p + r * kKeys), hi = _mm512_loadu_ps(p + r * kKeys + 16);
+    _mm512_storeu_si512(pb + r * kKeys, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  for (int64_t r = 0; r < rows; r += amx::kBlockRows) {
+    const int64_t height = std::min(amx::kBlockRows, rows - r);
+    if (height != configured) {
+      const amx::TileConfig cfg = amx::config_for(height);
+      _tile_loadconfig(&cfg);
+      configured = height;
+    }
+    for (int64_t panel = 0; panel < head_dim / 32; ++panel) {
+      const c10::BFloat16* vp = panels + panel * kKeys * 32;
+      if (height > 16) amx::panel_sums<true>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32, nullptr);
+      else amx::panel_sums<false>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32, nullptr);
+      for (int64_t i = 0; i < height; ++i) {
+        const __m512 a = _mm512_set1_ps(alpha[r + i]);
+        float* dst = o + (r + i) * head_dim + panel * 32;
+        _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), a, _mm512_loadu_ps(sums + i * 32)));
+        _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(_mm512_loadu_ps(dst + 16), a, _mm512_loadu_ps(sums + i * 32 + 16)));
+      }
+    }
+  }
+}
+
+// s[r][0:32] = q_r . keys of the panel, for `rows` rows of q (bf16, head_dim apart)
+void score_rows_tiles(const c10::BFloat16* q, int64_t head_dim, const c10::BFloat16* panel, float* s, int64_t rows,
+                      int64_t& configured) {
+  for (int64_t r = 0; r < rows; r += amx::kBlockRows) {
+    const int64_t height = std::min(amx::kBlockRows, rows - r);
+    if (height != configured) {
+      const amx::TileConfig cfg = amx::config_for(height);
+      _tile_loadconfig(&cfg);
+      configured = height;
+    }
+    if (height > 16) amx::panel_sums<true>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys, nullptr);
+    else amx::panel_sums<false>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys, nullptr);
+  }
+}
+#endif
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -174,9 +256,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::vector<int64_t> block_offset(num_chunks + 1, 0);
   for (int64_t c = 0; c < num_chunks; ++c) block_offset[c + 1] = block_offset[c] + (ctx[c] + kKeys - 1) / kKeys;
   const int64_t block_floats = kKeys * head_dim, total_blocks = block_offset[num_chunks];
-  std::vector<float> packed_k(num_kv_heads * total_blocks * block_floats), packed_v(packed_k.size());
+  bool use_amx = false;
+#if defined(SHARDSERVE_AMX)
+  use_amx = std::is_same_v<T, c10::BFloat16> && head_dim % 32 == 0 && amx::permitted();
+#endif
+  // keys as float32 [D][32] blocks, or as bf16 panels with tiles; values as float32 [32][D]
+  std::vector<float> packed_k(use_amx ? 0 : num_kv_heads * total_blocks * block_floats);
+  std::vector<float> packed_v(use_amx ? 0 : num_kv_heads * total_blocks * block_floats);
+  std::vector<c10::BFloat16> packed_kp(use_amx ? num_kv_heads * total_blocks * block_floats : 0);
+  std::vector<c10::BFloat16> packed_vp(packed_kp.size());
+  auto block_index = [&](int64_t kv, int64_t c, int64_t b) { return (kv * total_blocks) + block_offset[c] + b; };
   auto packed_at = [&](std::vector<float>& buf, int64_t kv, int64_t c, int64_t b) {
-    return buf.data() + ((kv * total_blocks) + block_offset[c] + b) * block_floats;
+    return buf.data() + block_index(kv, c, b) * block_floats;
   };
   at::parallel_for(0, num_kv_heads * total_blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -184,6 +275,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const int64_t c = std::upper_bound(block_offset.begin(), block_offset.end(), flat) - block_offset.begin() - 1;
       const int64_t b = flat - block_offset[c];
       const int64_t head_offset = kv * num_blocks * block_size * head_dim;
+#if defined(SHARDSERVE_AMX)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (use_amx) {
+          const int64_t at = block_index(kv, c, b) * block_floats;
+          pack_keys_panel(k_ptr + head_offset, tables + c * max_blocks, b, ctx[c], block_size, head_dim,
+                          packed_kp.data() + at);
+          pack_values_panels(v_ptr + head_offset, tables + c * max_blocks, b, ctx[c], block_size, head_dim,
+                             packed_vp.data() + at);
+          continue;
+        }
+      }
+#endif
       pack_block<T>(k_ptr + head_offset, v_ptr + head_offset, tables + c * max_blocks, b, ctx[c], block_size,
                     head_dim, packed_at(packed_k, kv, c, b), packed_at(packed_v, kv, c, b));
     }
@@ -202,8 +305,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = tile_tokens * group;
     std::vector<float> qf(rows_max * head_dim), o(rows_max * head_dim), s(rows_max * kKeys);
-    std::vector<float> row_max(rows_max), row_sum(rows_max), alpha(rows_max);
+    // row sums kept as 16 lanes per row, added up once at the end (no horizontal sum per block)
+    std::vector<float> row_max(rows_max), row_sums(rows_max * 16), alpha(rows_max);
     std::vector<int64_t> row_pos(rows_max);
+    std::vector<T> qb(use_amx ? rows_max * head_dim : 0);  // the tile's query rows, unscaled, for the tiles
+    std::vector<c10::BFloat16> pb(use_amx ? rows_max * kKeys : 0);  // and its probabilities
+#if defined(SHARDSERVE_AMX)
+    alignas(64) float sums[amx::kBlockRows * 32];
+#endif
+    const float score_scale = use_amx ? scale : 1.f;       // q was scaled in qf otherwise
+    int64_t configured = 0;                              // the tile block height configured
     for (int64_t worker = begin; worker < end; ++worker) {
       for (size_t i = worker; i < tiles.size(); i += num_workers) {
         const Tile& tile = tiles[i];
@@ -214,16 +325,25 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = (t - tile.token_begin) * group + g;
             const T* src = q_ptr + ((starts[c] + t) * num_heads + tile.kv_head * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d += 16)
-              _mm512_storeu_ps(&qf[r * head_dim + d], _mm512_mul_ps(load16(src + d), _mm512_set1_ps(scale)));
+            if (use_amx) std::copy(src, src + head_dim, qb.data() + r * head_dim);
+            else
+              for (int64_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(&qf[r * head_dim + d], _mm512_mul_ps(load16(src + d), _mm512_set1_ps(scale)));
             row_pos[r] = first_pos + t;
           }
         std::fill(o.begin(), o.begin() + rows * head_dim, 0.f);
         std::fill(row_max.begin(), row_max.begin() + rows, -INFINITY);
-        std::fill(row_sum.begin(), row_sum.begin() + rows, 0.f);
+        std::fill(row_sums.begin(), row_sums.begin() + rows * 16, 0.f);
         const int64_t last_block = row_pos[rows - 1] / kKeys;
         for (int64_t b = 0; b <= last_block; ++b) {
-          score_rows<kScoreRows>(qf.data(), head_dim, packed_at(packed_k, tile.kv_head, c, b), s.data(), rows);
+#if defined(SHARDSERVE_AMX)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (use_amx)
+              score_rows_tiles(qb.data(), head_dim, packed_kp.data() + block_index(tile.kv_head, c, b) * block_floats,
+                               s.data(), rows, configured);
+          }
+#endif
+          if (!use_amx) score_rows<kScoreRows>(qf.data(), head_dim, packed_at(packed_k, tile.kv_head, c, b), s.data(), rows);
           for (int64_t r = 0; r < rows; ++r) {  // online softmax: the row's running max and sum
             float* sr = &s[r * kKeys];
             const int64_t valid = std::clamp<int64_t>(row_pos[r] - b * kKeys + 1, 0, kKeys);
@@ -234,7 +354,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
             }
             const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
             const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
-            const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+            const __m512 vscale = _mm512_set1_ps(score_scale);
+            const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale), s1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
             const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
             const float block_max = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_mask_mov_ps(neg_inf, m0, s0), _mm512_mask_mov_ps(neg_inf, m1, s1)));
@@ -245,20 +366,31 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
             _mm512_storeu_ps(sr, p0);
             _mm512_storeu_ps(sr + 16, p1);
             alpha[r] = row_max[r] == -INFINITY ? 0.f : std::exp(row_max[r] - new_max);
-            row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            float* sum = &row_sums[r * 16];
+            _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1)));
             row_max[r] = new_max;
           }
+#if defined(SHARDSERVE_AMX)
+          if (use_amx) {
+            accumulate_tiles(s.data(), packed_vp.data() + block_index(tile.kv_head, c, b) * block_floats,
+                             alpha.data(), o.data(), rows, head_dim, pb.data(), sums, configured);
+            continue;
+          }
+#endif
           accumulate(head_dim, s.data(), packed_at(packed_v, tile.kv_head, c, b), alpha.data(), o.data(), rows);
         }
         for (int64_t t = tile.token_begin; t < tile.token_end; ++t)
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = (t - tile.token_begin) * group + g;
             T* dst = out_ptr + ((starts[c] + t) * num_heads + tile.kv_head * group + g) * head_dim;
-            const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(&row_sums[r * 16])));
             for (int64_t d = 0; d < head_dim; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(&o[r * head_dim + d]), inv));
           }
       }
     }
+#if defined(SHARDSERVE_AMX)
+    if (configured) _tile_release();
+#endif
   });
 }
 #endif  // __AVX512F__

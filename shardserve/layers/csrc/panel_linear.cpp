@@ -19,7 +19,7 @@
 //     thread's panels pass over it.
 // Each output is a sum over k in a fixed order that does not depend on M: a row gets the same
 // result whatever else is in the batch. Where the CPU has AMX, bf16 runs on tiles instead
-// (panel_linear_amx.h), over the same packed panels, for every row count.
+// (amx_panel.h), over the same packed panels, for every row count.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -30,7 +30,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#include "panel_linear_amx.h"
+#include "amx_panel.h"
 
 namespace {
 
@@ -48,7 +48,7 @@ constexpr int64_t kMaxRows = 1;
 #endif
 constexpr int64_t kRowChunk = 8 * kMaxRows;  // rows a thread takes at a time (x's chunk stays in L2)
 constexpr int64_t kMinThreadWork = 1 << 16;  // multiply-adds
-#if defined(SHARDSERVE_AMX_KERNEL)
+#if defined(SHARDSERVE_AMX)
 constexpr int64_t kBf16KAlign = amx::kStepK;  // bf16 weights padded in k to whole tile steps
 #else
 constexpr int64_t kBf16KAlign = 2;  // to whole pairs
@@ -199,7 +199,7 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float
 }
 #endif
 
-#if defined(SHARDSERVE_AMX_KERNEL)
+#if defined(SHARDSERVE_AMX)
 constexpr int64_t kAmxRowChunk = 4 * amx::kBlockRows;
 
 // The same loops as run_linear with a block of 32 rows on tiles; each thread configures its own
@@ -227,8 +227,7 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
             _tile_loadconfig(&cfg);
             configured = rows;
           }
-          const auto block = rows > 16 ? amx::block<true> : amx::block<false>;
-          block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, rows, cols,
+          amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, rows, cols,
                 row == chunk ? next : nullptr);
         }
       }
@@ -291,7 +290,7 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
 #if defined(SHARDSERVE_PANEL_KERNEL)
   if (x.scalar_type() == at::kFloat) return run_linear<float>(x, packed, b, n);
 #endif
-#if defined(SHARDSERVE_AMX_KERNEL)
+#if defined(SHARDSERVE_AMX)
   if (amx::permitted()) return run_linear_amx(x, packed, b, n);
 #endif
 #if defined(__AVX512BF16__)

@@ -1,7 +1,8 @@
-// The panel linear kernel on AMX tiles (bfloat16, Sapphire Rapids and later); included by
-// panel_linear.cpp, which owns the packing and the threading.
+// A block of up to 32 rows against one panel of 32 columns on AMX tiles (bfloat16, Sapphire
+// Rapids and later): the panel linear kernel's inner step (panel_linear.cpp owns the packing and
+// the threading) and the prefill attention's scores (a block of 32 keys packed as a panel).
 //
-// The packed weight needs no layout of its own: a panel ([K/2][32 columns][2]) read 16 k pairs
+// A panel ([K/2][32 columns][2]: k in pairs, as the tile dot product takes them) read 16 k pairs
 // at a time is two AMX B tiles side by side, rows 128 bytes apart:
 //
 //   panel bytes, k pair p:  | cols 0-15 x pair (64 B) | cols 16-31 x pair (64 B) |
@@ -12,15 +13,13 @@
 //   tmm2 tmm3   C: rows 16-31 x cols 0-15 | cols 16-31
 //   tmm4 tmm5   A: rows 0-15 | rows 16-31 of x, 32 k values
 //   tmm6 tmm7   B: the panel's two column halves, 32 k values
-// Each row's sums run over k in the same order whatever the block's height, so a row's result
-// does not depend on the batch (as with the vector kernel, whose rounding it does not share:
-// one dtype takes one kernel for every row count).
+// Each row's sums run over k in the same order whatever the block's height and whatever rows
+// share it: a row's result does not depend on the batch.
 #pragma once
 
 #include "amx_tiles.h"
 
 #if defined(SHARDSERVE_AMX)
-#define SHARDSERVE_AMX_KERNEL 1
 
 namespace amx {
 
@@ -36,12 +35,12 @@ inline TileConfig config_for(int64_t rows) {
   return cfg;
 }
 
-// y[rows, cols] = x[rows, :] W_panel^T (+ bias), with the tiles configured by config_for(rows).
-// x: `ksteps` * 32 readable values per row, `ldx` apart; bias: 32 float32 values or null.
+// sums[r][0:32] (float32, rows `ld_sums` apart) = bias + x[r, :] . panel columns, for the rows
+// the tiles were configured for (config_for). x: `ksteps` * 32 readable values per row, `ldx`
+// apart; bias: 32 float32 values or null; prefetch: the panel to pull toward L1 meanwhile, or null.
 template <bool kTwoRowTiles>
-inline void block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
-                  const float* bias, c10::BFloat16* y, int64_t ldy, int64_t rows, int64_t cols,
-                  const c10::BFloat16* prefetch) {
+inline void panel_sums(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
+                       const float* bias, float* sums, int64_t ld_sums, const c10::BFloat16* prefetch) {
   if (bias) {  // every row starts from the bias: a stride-0 load repeats one row
     _tile_loadd(0, bias, 0);
     _tile_loadd(1, bias + 16, 0);
@@ -75,13 +74,22 @@ inline void block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* pane
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float sums[kBlockRows][32];
-  _tile_stored(0, &sums[0][0], 128);
-  _tile_stored(1, &sums[0][16], 128);
+  const int64_t sums_stride = ld_sums * 4;
+  _tile_stored(0, sums, sums_stride);
+  _tile_stored(1, sums + 16, sums_stride);
   if constexpr (kTwoRowTiles) {
-    _tile_stored(2, &sums[16][0], 128);
-    _tile_stored(3, &sums[16][16], 128);
+    _tile_stored(2, sums + 16 * ld_sums, sums_stride);
+    _tile_stored(3, sums + 16 * ld_sums + 16, sums_stride);
   }
+}
+
+// y[rows, cols] = x[rows, :] W_panel^T (+ bias) in bf16, with the tiles configured by config_for(rows)
+inline void block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
+                  const float* bias, c10::BFloat16* y, int64_t ldy, int64_t rows, int64_t cols,
+                  const c10::BFloat16* prefetch) {
+  alignas(64) float sums[kBlockRows][32];
+  if (rows > 16) panel_sums<true>(x, ldx, panel, ksteps, bias, &sums[0][0], 32, prefetch);
+  else panel_sums<false>(x, ldx, panel, ksteps, bias, &sums[0][0], 32, prefetch);
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
   for (int64_t r = 0; r < rows; ++r) {  // float32 -> bfloat16 to nearest even, as torch rounds
