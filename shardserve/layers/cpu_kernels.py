@@ -91,7 +91,7 @@ def load_panel_linear(dtype):
 
 def load_silu_mul():
     """`silu_mul(gate_up [..., 2d])` -> silu(gate) * up [..., d], rounded as the torch ops round
-    (its exp differs from torch's in the last float32 bit at most); or None."""
+    (its exp and its reciprocal differ from torch's in the last float32 bit or two); or None."""
     module = _load("fused_elementwise")
     return None if module is None else module.silu_mul
 

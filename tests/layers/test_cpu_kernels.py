@@ -31,6 +31,29 @@ def test_rotary_kv_is_bit_identical_to_apply_rotary_plus_write_kv(dtype):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+@pytest.mark.skipif(rotary_kv is None, reason="no C++ toolchain for the native kernel")
+def test_rotary_kv_rounds_denormals_and_nans_as_torch():
+    """bf16 rounding by the conversion instruction flushes denormals and keeps NaN payloads: the
+    kernel must still give torch's bits for denormals (compared as integers) and NaN where
+    torch has NaN (whose payload torch's own kernels do not agree on)."""
+    torch.manual_seed(1)
+    tokens, heads, kv_heads, dim = 4, 2, 1, 64
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, dtype=torch.bfloat16)
+    cos, sin = (torch.randn(tokens, 1, dim, dtype=torch.bfloat16) for _ in range(2))
+    qkv[0] *= 1e-20  # products near 1e-39: float32 denormals
+    cos[0] *= 1e-19
+    sin[0] *= 1e-19
+    qkv[1, 0, 3] = float("nan")
+    slots = torch.arange(tokens)
+    k_cache = torch.zeros(kv_heads, 1, 16, dim, dtype=torch.bfloat16)
+    rotated = apply_rotary(qkv[:, : heads + kv_heads], (cos, sin))
+    assert (rotated[0].float().abs() < torch.finfo(torch.float32).tiny).any() and rotated[1].isnan().any()
+    q, k = rotary_kv(qkv, cos, sin, k_cache, torch.zeros_like(k_cache), slots, heads)
+    got, want = torch.cat([q, k], dim=1), rotated
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+
+
 @pytest.mark.skipif(silu_mul is None, reason="no C++ toolchain for the native kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_matches_the_torch_ops(dtype):

@@ -35,12 +35,19 @@ inline TileConfig config_for(int64_t rows) {
   return cfg;
 }
 
+// What a block pulls toward L1 while it computes: `lines_per_step` cache lines from `from` at
+// each k step (so a panel's blocks can share the next panel's stream between them).
+struct Prefetch {
+  const char* from = nullptr;
+  int64_t lines_per_step = 0;
+};
+
 // sums[r][0:32] (float32, rows `ld_sums` apart) = bias + x[r, :] . panel columns, for the rows
 // the tiles were configured for (config_for). x: `ksteps` * 32 readable values per row, `ldx`
-// apart; bias: 32 float32 values or null; prefetch: the panel to pull toward L1 meanwhile, or null.
+// apart; bias: 32 float32 values or null.
 template <bool kTwoRowTiles>
 inline void panel_sums(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
-                       const float* bias, float* sums, int64_t ld_sums, const c10::BFloat16* prefetch) {
+                       const float* bias, float* sums, int64_t ld_sums, Prefetch prefetch = {}) {
   if (bias) {  // every row starts from the bias: a stride-0 load repeats one row
     _tile_loadd(0, bias, 0);
     _tile_loadd(1, bias + 16, 0);
@@ -59,10 +66,8 @@ inline void panel_sums(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
   const int64_t x_stride = ldx * 2;
   for (int64_t s = 0; s < ksteps; ++s) {
     const c10::BFloat16* w = panel + s * kStepK * 32;  // 16 pairs x 32 columns x 2
-    if (prefetch) {  // the next panel's same 2 KB, one cache line at a time
-      const char* p = reinterpret_cast<const char*>(prefetch + s * kStepK * 32);
-      for (int line = 0; line < 32; ++line) _mm_prefetch(p + line * 64, _MM_HINT_T0);
-    }
+    for (int64_t line = 0; line < prefetch.lines_per_step; ++line)
+      _mm_prefetch(prefetch.from + (s * prefetch.lines_per_step + line) * 64, _MM_HINT_T1);
     _tile_loadd(6, w, 128);
     _tile_loadd(7, w + 32, 128);
     _tile_loadd(4, x + s * kStepK, x_stride);
@@ -85,8 +90,7 @@ inline void panel_sums(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
 
 // y[rows, cols] = x[rows, :] W_panel^T (+ bias) in bf16, with the tiles configured by config_for(rows)
 inline void block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
-                  const float* bias, c10::BFloat16* y, int64_t ldy, int64_t rows, int64_t cols,
-                  const c10::BFloat16* prefetch) {
+                  const float* bias, c10::BFloat16* y, int64_t ldy, int64_t rows, int64_t cols, Prefetch prefetch) {
   alignas(64) float sums[kBlockRows][32];
   if (rows > 16) panel_sums<true>(x, ldx, panel, ksteps, bias, &sums[0][0], 32, prefetch);
   else panel_sums<false>(x, ldx, panel, ksteps, bias, &sums[0][0], 32, prefetch);

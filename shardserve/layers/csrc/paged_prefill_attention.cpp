@@ -207,8 +207,8 @@ void accumulate_tiles(const float* p, const c10::BFloat16* panels, const float* 
     }
     for (int64_t panel = 0; panel < head_dim / 32; ++panel) {
       const c10::BFloat16* vp = panels + panel * kKeys * 32;
-      if (height > 16) amx::panel_sums<true>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32, nullptr);
-      else amx::panel_sums<false>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32, nullptr);
+      if (height > 16) amx::panel_sums<true>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32);
+      else amx::panel_sums<false>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32);
       for (int64_t i = 0; i < height; ++i) {
         const __m512 a = _mm512_set1_ps(alpha[r + i]);
         float* dst = o + (r + i) * head_dim + panel * 32;
@@ -229,8 +229,8 @@ void score_rows_tiles(const c10::BFloat16* q, int64_t head_dim, const c10::BFloa
       _tile_loadconfig(&cfg);
       configured = height;
     }
-    if (height > 16) amx::panel_sums<true>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys, nullptr);
-    else amx::panel_sums<false>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys, nullptr);
+    if (height > 16) amx::panel_sums<true>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys);
+    else amx::panel_sums<false>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys);
   }
 }
 #endif

@@ -216,19 +216,24 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
     int64_t configured = 0;  // the block height the tiles are shaped for
     for (int64_t chunk = 0; chunk < m; chunk += kAmxRowChunk) {
       const int64_t chunk_end = std::min(m, chunk + kAmxRowChunk);
+      // the chunk's blocks share the stream of the next panel (2 KB, 32 lines, per k step)
+      const int64_t num_blocks = (chunk_end - chunk + amx::kBlockRows - 1) / amx::kBlockRows;
+      const int64_t lines_per_step = (32 + num_blocks - 1) / num_blocks;
       for (int64_t panel = begin; panel < end; ++panel) {
         const T* w = wd + panel * panel_elems;
-        const T* next = panel + 1 < end ? w + panel_elems : nullptr;
+        const char* next = panel + 1 < end ? reinterpret_cast<const char*>(w + panel_elems) : nullptr;
         const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
-        for (int64_t row = chunk; row < chunk_end; row += amx::kBlockRows) {
+        for (int64_t row = chunk, i = 0; row < chunk_end; row += amx::kBlockRows, ++i) {
           const int64_t rows = std::min(amx::kBlockRows, chunk_end - row);
           if (rows != configured) {
             const amx::TileConfig cfg = amx::config_for(rows);
             _tile_loadconfig(&cfg);
             configured = rows;
           }
+          const amx::Prefetch prefetch{next ? next + i * lines_per_step * ksteps * 64 : nullptr,
+                                       next ? std::min(lines_per_step, 32 - i * lines_per_step) : 0};
           amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, rows, cols,
-                row == chunk ? next : nullptr);
+                     prefetch);
         }
       }
     }
