@@ -50,12 +50,12 @@ def test_truncated_gguf_gives_one_line_error(truncated_gguf):
     assert "cut.gguf" in proc.stderr and "truncated" in proc.stderr
 
 
-@pytest.mark.parametrize("flags, device, budget", [
-    ([], "cpu", 512),  # a CPU server prefills a wave of prompts a few at a time (config.serving_token_budget)
-    (["--max-num-batched-tokens", "4096"], "cpu", 4096),
-    ([], "cuda", 2048),
+@pytest.mark.parametrize("flags, device, budget, prefault", [
+    ([], "cpu", 512, True),  # a CPU server prefills a wave of prompts a few at a time (config.serving_token_budget)
+    (["--max-num-batched-tokens", "4096", "--no-prefault-kv-cache"], "cpu", 4096, False),
+    ([], "cuda", 2048, False),
 ])
-def test_serve_token_budget_default(monkeypatch, flags, device, budget):
+def test_serve_defaults_for_the_device(monkeypatch, flags, device, budget, prefault):
     import shardserve.server.serve
     from shardserve.cli import main
 
@@ -63,11 +63,13 @@ def test_serve_token_budget_default(monkeypatch, flags, device, budget):
     monkeypatch.setattr(shardserve.server.serve, "run_server", lambda config, server, auth: seen.setdefault("config", config) and 0)
     assert main(["serve", "--device", device, *flags]) == 0
     assert seen["config"].scheduler.max_num_batched_tokens == budget
+    assert seen["config"].cache.prefault_kv_cache is prefault
 
 
-def test_offline_engine_keeps_the_large_token_budget():
+def test_offline_engine_keeps_its_defaults():
     from shardserve.cli import build_parser
     from shardserve.engine.cli_args import engine_kwargs
 
     args = build_parser().parse_args(["generate", "--prompt", "hi"])
     assert engine_kwargs(args)["max_num_batched_tokens"] == 2048
+    assert engine_kwargs(args)["prefault_kv_cache"] is False

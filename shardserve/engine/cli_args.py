@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per engine step (default: 2048; `serve` on a CPU: 512, for TTFT)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="commit the whole KV pool at start rather than on first use (default: on for "
+                             "`serve` on a CPU, off otherwise)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="CPU threads per step (default: measured, the fastest of all, half and one)")
@@ -52,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         generation_config=args.generation_config, skip_tokenizer_init=args.skip_tokenizer_init, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=(SchedulerConfig.max_num_batched_tokens if args.max_num_batched_tokens is None
                                 else args.max_num_batched_tokens),
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, prefault_kv_cache=bool(args.prefault_kv_cache),
         tp_size=args.tp, pp_size=args.pp, ep_size=args.ep, num_micro_batches=args.num_micro_batches,
         pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),
         num_redundant_experts=args.num_redundant_experts,

@@ -89,4 +89,4 @@ def _allocate_kv_cache(config: EngineConfig, shape: KVShape, max_model_len: int,
         raise ConfigError(
             f"the KV cache holds {num_blocks * block_size} tokens, less than one full context of "
             f"{max_model_len}; give it at least {need} bytes (--kv-cache-memory) or lower --max-model-len")
-    return KVCache.allocate(shape, num_blocks, block_size, dtype, device)
+    return KVCache.allocate(shape, num_blocks, block_size, dtype, device, prefault=config.cache.prefault_kv_cache)
