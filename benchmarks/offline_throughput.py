@@ -10,8 +10,7 @@ What it measures
     machine's measured matmul FLOP/s and copy bandwidth.
 
 Method
-    shardserve: `LLM("smollm2", dtype=..., kv_cache_memory_bytes=1 GiB, prefault_kv_cache=True)
-    .generate(all prompts)` (the pool committed at start, as vLLM's is)
+    shardserve: `LLM("smollm2", dtype=..., kv_cache_memory_bytes=1 GiB).generate(all prompts)`
     after a short warm-up; continuous batching decides the batches. Throughput = output tokens /
     wall time.
     HF: `model.generate` on padded static batches, as users run it: left padding with pad id =
@@ -196,7 +195,7 @@ def shardserve_child(dtype: str, workloads: dict[str, Workload], settings: Setti
 
     log(f"shardserve: loading smollm2 ({dtype})")
     start_s = time.perf_counter()
-    llm = LLM("smollm2", dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES, prefault_kv_cache=True, show_progress=False)
+    llm = LLM("smollm2", dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES, show_progress=False)
     result = {"load_s": time.perf_counter() - start_s, "rss_after_load_mib": peak_rss_mib()}
     for name, workload in workloads.items():
         log(f"shardserve: {name} start ({len(workload.prompts)} requests)")
