@@ -88,12 +88,26 @@ inline void panel_sums(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16*
   }
 }
 
-// y[rows, cols] = x[rows, :] W_panel^T (+ bias) in bf16, with the tiles configured by config_for(rows)
+// panel_sums for a block of `rows` (1..32) rows; the tiles are shaped for it first unless this
+// thread's `configured` height (0: none yet) already is that
+inline void block_sums(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
+                       const float* bias, float* sums, int64_t ld_sums, int64_t rows, int64_t& configured,
+                       Prefetch prefetch = {}) {
+  if (rows != configured) {
+    const TileConfig cfg = config_for(rows);
+    _tile_loadconfig(&cfg);
+    configured = rows;
+  }
+  if (rows > 16) panel_sums<true>(x, ldx, panel, ksteps, bias, sums, ld_sums, prefetch);
+  else panel_sums<false>(x, ldx, panel, ksteps, bias, sums, ld_sums, prefetch);
+}
+
+// y[rows, cols] = x[rows, :] W_panel^T (+ bias) in bf16
 inline void block(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
-                  const float* bias, c10::BFloat16* y, int64_t ldy, int64_t rows, int64_t cols, Prefetch prefetch) {
+                  const float* bias, c10::BFloat16* y, int64_t ldy, int64_t rows, int64_t cols, int64_t& configured,
+                  Prefetch prefetch) {
   alignas(64) float sums[kBlockRows][32];
-  if (rows > 16) panel_sums<true>(x, ldx, panel, ksteps, bias, &sums[0][0], 32, prefetch);
-  else panel_sums<false>(x, ldx, panel, ksteps, bias, &sums[0][0], 32, prefetch);
+  block_sums(x, ldx, panel, ksteps, bias, &sums[0][0], 32, rows, configured, prefetch);
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
   for (int64_t r = 0; r < rows; ++r) {  // float32 -> bfloat16 to nearest even, as torch rounds

@@ -200,15 +200,8 @@ void accumulate_tiles(const float* p, const c10::BFloat16* panels, const float* 
   }
   for (int64_t r = 0; r < rows; r += amx::kBlockRows) {
     const int64_t height = std::min(amx::kBlockRows, rows - r);
-    if (height != configured) {
-      const amx::TileConfig cfg = amx::config_for(height);
-      _tile_loadconfig(&cfg);
-      configured = height;
-    }
     for (int64_t panel = 0; panel < head_dim / 32; ++panel) {
-      const c10::BFloat16* vp = panels + panel * kKeys * 32;
-      if (height > 16) amx::panel_sums<true>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32);
-      else amx::panel_sums<false>(pb + r * kKeys, kKeys, vp, 1, nullptr, sums, 32);
+      amx::block_sums(pb + r * kKeys, kKeys, panels + panel * kKeys * 32, 1, nullptr, sums, 32, height, configured);
       for (int64_t i = 0; i < height; ++i) {
         const __m512 a = _mm512_set1_ps(alpha[r + i]);
         float* dst = o + (r + i) * head_dim + panel * 32;
@@ -222,16 +215,9 @@ void accumulate_tiles(const float* p, const c10::BFloat16* panels, const float* 
 // s[r][0:32] = q_r . keys of the panel, for `rows` rows of q (bf16, head_dim apart)
 void score_rows_tiles(const c10::BFloat16* q, int64_t head_dim, const c10::BFloat16* panel, float* s, int64_t rows,
                       int64_t& configured) {
-  for (int64_t r = 0; r < rows; r += amx::kBlockRows) {
-    const int64_t height = std::min(amx::kBlockRows, rows - r);
-    if (height != configured) {
-      const amx::TileConfig cfg = amx::config_for(height);
-      _tile_loadconfig(&cfg);
-      configured = height;
-    }
-    if (height > 16) amx::panel_sums<true>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys);
-    else amx::panel_sums<false>(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys);
-  }
+  for (int64_t r = 0; r < rows; r += amx::kBlockRows)
+    amx::block_sums(q + r * head_dim, head_dim, panel, head_dim / 32, nullptr, s + r * kKeys, kKeys,
+                    std::min(amx::kBlockRows, rows - r), configured);
 }
 #endif
 

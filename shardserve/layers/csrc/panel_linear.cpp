@@ -225,15 +225,10 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
         const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
         for (int64_t row = chunk, i = 0; row < chunk_end; row += amx::kBlockRows, ++i) {
           const int64_t rows = std::min(amx::kBlockRows, chunk_end - row);
-          if (rows != configured) {
-            const amx::TileConfig cfg = amx::config_for(rows);
-            _tile_loadconfig(&cfg);
-            configured = rows;
-          }
           const amx::Prefetch prefetch{next ? next + i * lines_per_step * ksteps * 64 : nullptr,
                                        next ? std::min(lines_per_step, 32 - i * lines_per_step) : 0};
           amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, rows, cols,
-                     prefetch);
+                     configured, prefetch);
         }
       }
     }
