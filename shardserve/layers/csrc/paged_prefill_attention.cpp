@@ -15,6 +15,8 @@
 //     the keys before it only, not on how its sequence was chunked or what else is in the batch.
 //   - Tiles late in a sequence see more keys: they are dealt out to the threads longest first,
 //     round robin, so the threads finish together.
+//   - With AMX (bf16) both products run on tiles instead (pack_keys_panel and below); the
+//     softmax stays in float32 on 16 lanes.
 //
 //   q            [T, H, D]                      (float32 or bfloat16, contiguous)
 //   k/v cache    [KV, num_blocks, bs, D]        (same dtype, contiguous)
@@ -134,26 +136,23 @@ void accumulate(int64_t head_dim, const float* p, const float* v, const float* a
 }
 
 // keys of positions [block * 32, +32) of one (chunk, kv head), transposed: kt[d][j]; values
-// widened: v[j][d] (either null where it goes to tiles); positions at or past context_len are zero
+// widened: v[j][d]; positions at or past context_len are zero
 template <typename T>
 void pack_block(const T* k_base, const T* v_base, const int64_t* table, int64_t block, int64_t context_len,
                 int64_t block_size, int64_t head_dim, float* kt, float* v) {
   for (int64_t j = 0; j < kKeys; ++j) {
     const int64_t pos = block * kKeys + j;
     if (pos >= context_len) {
-      if (kt)
-        for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeys + j] = 0.f;
-      if (v) std::fill(v + j * head_dim, v + (j + 1) * head_dim, 0.f);
+      for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeys + j] = 0.f;
+      std::fill(v + j * head_dim, v + (j + 1) * head_dim, 0.f);
       continue;
     }
     const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * head_dim;
     for (int64_t d = 0; d < head_dim; d += 16) {
-      if (kt) {
-        alignas(64) float widened[16];
-        _mm512_store_ps(widened, load16(k_base + row + d));
-        for (int i = 0; i < 16; ++i) kt[(d + i) * kKeys + j] = widened[i];
-      }
-      if (v) _mm512_storeu_ps(v + j * head_dim + d, load16(v_base + row + d));
+      alignas(64) float widened[16];
+      _mm512_store_ps(widened, load16(k_base + row + d));
+      for (int i = 0; i < 16; ++i) kt[(d + i) * kKeys + j] = widened[i];
+      _mm512_storeu_ps(v + j * head_dim + d, load16(v_base + row + d));
     }
   }
 }
@@ -246,7 +245,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(SHARDSERVE_AMX)
   use_amx = std::is_same_v<T, c10::BFloat16> && head_dim % 32 == 0 && amx::permitted();
 #endif
-  // keys as float32 [D][32] blocks, or as bf16 panels with tiles; values as float32 [32][D]
+  // keys as float32 [D][32] blocks and values as float32 [32][D], or both as bf16 panels for tiles
   std::vector<float> packed_k(use_amx ? 0 : num_kv_heads * total_blocks * block_floats);
   std::vector<float> packed_v(use_amx ? 0 : num_kv_heads * total_blocks * block_floats);
   std::vector<c10::BFloat16> packed_kp(use_amx ? num_kv_heads * total_blocks * block_floats : 0);
