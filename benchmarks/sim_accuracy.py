@@ -91,7 +91,7 @@ def sim_config(calibration: Calibrated, request_s: float, token_s: float,
     max_model_len = model.max_position_embeddings
     num_blocks = engine_num_kv_blocks(deployment, 16, max_model_len, KV_CACHE_BYTES)
     # `shardserve serve` defaults on this host
-    setup = ReplicaSetup(SchedulerConfig(max_num_batched_tokens=serving_token_budget("cpu")), num_blocks, 16, True,
+    setup = ReplicaSetup(SchedulerConfig(max_num_batched_tokens=serving_token_budget(on_cpu=True)), num_blocks, 16, True,
                          max_model_len)
     return SimConfig(deployment, setup, 1, router=None, overheads=ServingOverheads(request_s, token_s, *costs))
 

@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = args.model_pos or args.model
     if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = serving_token_budget(args.device)
+        args.max_num_batched_tokens = serving_token_budget(args.device == "cpu")
     if args.prefault_kv_cache is None:  # a server holds its KV budget anyway: commit it before /health
         args.prefault_kv_cache = args.device == "cpu"
     server = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,

@@ -276,14 +276,14 @@ class SchedulerConfig:
     max_prefill_chunk_tokens: int | None = None
 
 
-def serving_token_budget(device: str) -> int:
+def serving_token_budget(on_cpu: bool) -> int:
     """A server's max_num_batched_tokens where none is given. Every prompt admitted in a step
     waits for the whole step: on a CPU a 2,048-token prefill step takes most of a second
     (SmolLM2-135M bf16, 2 Sapphire Rapids cores: ~0.7 s), so a wave of prompts is better served
     a few at a time. 512 there cut the TTFT p50 of closed-loop waves of 8 and 32 prompts by 28%
     and 53% for 2% of throughput (256: 41% and 61% for 4%, and the mixed workload's TPOT 6% worse;
     2026-12-03). Offline runs keep SchedulerConfig's 2,048, as GPUs do (vLLM's server default)."""
-    return 512 if device == "cpu" else SchedulerConfig.max_num_batched_tokens
+    return 512 if on_cpu else SchedulerConfig.max_num_batched_tokens
 
 
 @dataclass(frozen=True)

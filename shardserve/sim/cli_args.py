@@ -77,10 +77,10 @@ def build_sim_config(args: argparse.Namespace):
     from shardserve.sim.simulation import ServingOverheads, SimConfig
 
     for flag, value in (("--replicas", args.replicas), ("--block-size", args.block_size),
-                        ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", 1 if args.max_num_batched_tokens is None else args.max_num_batched_tokens),
+                        ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens),
                         ("--max-waiting-requests", args.max_waiting_requests),
                         ("--max-outstanding-per-replica", args.max_outstanding_per_replica)):
-        if value < 1:
+        if value is not None and value < 1:  # None: the default, resolved below
             raise ConfigError(f"{flag} must be at least 1, got {value}")
     if (min(args.request_delay_ms, args.token_delay_ms, args.step_seq_ms) < 0
             or min(args.decode_step_scale, args.prompt_step_scale) <= 0):
@@ -92,9 +92,7 @@ def build_sim_config(args: argparse.Namespace):
     max_model_len = args.max_model_len or model.max_position_embeddings
     num_blocks = engine_num_kv_blocks(deployment, args.block_size, max_model_len, args.kv_cache_memory,
                                       args.kv_cache_memory_fraction)
-    budget = args.max_num_batched_tokens
-    if budget is None:
-        budget = serving_token_budget("cpu" if is_cpu_host(deployment.hardware) else "cuda")
+    budget = args.max_num_batched_tokens or serving_token_budget(is_cpu_host(deployment.hardware))
     setup = ReplicaSetup(
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs),
         num_kv_blocks=num_blocks, block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,

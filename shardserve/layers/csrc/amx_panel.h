@@ -1,6 +1,7 @@
 // A block of up to 32 rows against one panel of 32 columns on AMX tiles (bfloat16, Sapphire
 // Rapids and later): the panel linear kernel's inner step (panel_linear.cpp owns the packing and
-// the threading) and the prefill attention's scores (a block of 32 keys packed as a panel).
+// the threading) and both prefill-attention products (blocks of 32 keys, and of 32 values,
+// packed as panels).
 //
 // A panel ([K/2][32 columns][2]: k in pairs, as the tile dot product takes them) read 16 k pairs
 // at a time is two AMX B tiles side by side, rows 128 bytes apart:
@@ -35,8 +36,9 @@ inline TileConfig config_for(int64_t rows) {
   return cfg;
 }
 
-// What a block pulls toward L1 while it computes: `lines_per_step` cache lines from `from` at
-// each k step (so a panel's blocks can share the next panel's stream between them).
+// What a block pulls toward L2 while it computes: `lines_per_step` cache lines from `from` at
+// each k step (so a panel's blocks can share the next panel's stream between them). Into L2:
+// bursts into L1 stalled on its miss buffers (cold-weight steps at 128 rows 30.9 -> 22.9 ms).
 struct Prefetch {
   const char* from = nullptr;
   int64_t lines_per_step = 0;

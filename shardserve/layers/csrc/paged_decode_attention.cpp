@@ -219,8 +219,7 @@ inline void score16(const c10::BFloat16* keys, int64_t head_dim, int64_t group, 
   }
   alignas(64) float sums[16][16];
   _tile_stored(0, &sums[0][0], 64);
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(16));
+  const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   for (int64_t g = 0; g < group; ++g) {  // column g of C is head g's 16 scores
     const __m512 col = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(g))), &sums[0][0], 4);
     _mm512_storeu_ps(s + g * s_stride, _mm512_mul_ps(col, _mm512_set1_ps(scale)));
@@ -241,8 +240,9 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T)), n_blocks = (context_len + block_size - 1) / block_size;
   const T* k_base = k_cache + kv_head * num_blocks * block_elems;
   const T* v_base = v_cache + kv_head * num_blocks * block_elems;
-  for (int64_t i = 0; i < group * head_dim; i += 16)
-    _mm512_storeu_ps(&qf[i], _mm512_mul_ps(load16(q + i), _mm512_set1_ps(scale)));
+  if (!tiles)  // the scaled queries the vector scores use
+    for (int64_t i = 0; i < group * head_dim; i += 16)
+      _mm512_storeu_ps(&qf[i], _mm512_mul_ps(load16(q + i), _mm512_set1_ps(scale)));
   const int64_t padded = n_blocks * block_size;  // scores rows padded to whole blocks
   scores.resize(group * padded);
 #if defined(SHARDSERVE_AMX)
