@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import httpx
 import jsonschema
 import openai
 
@@ -93,13 +94,18 @@ def test_killed_replica_mid_stream_loses_nothing(tiny_checkpoints):
         with router(urls, "--policy", "round_robin") as (router_url, _):
             asyncio.run(run_all(router_url, model))  # warm-up: the reference timing is a warm one
             reference = asyncio.run(run_all(router_url, model, constrained=True))
-            victim = fleet[1][1]
+            processes = dict(fleet)
             killed = []
 
             def kill_midway(num_chunks: int) -> None:
+                # the victim is the replica with the most streams in flight: on a slow host one may
+                # have been ejected for a while (a probe timed out) and be serving nothing
                 if not killed and num_chunks >= NUM_REQUESTS * MAX_TOKENS // 6:
-                    os.killpg(victim.pid, signal.SIGKILL)
-                    killed.append(time.monotonic())
+                    status = httpx.get(f"{router_url}/admin/status", timeout=5).json()["replicas"]
+                    victim = max(status, key=lambda r: r["outstanding"])
+                    assert victim["outstanding"] > 0, f"no replica has a stream in flight: {status}"
+                    os.killpg(processes[victim["url"]].pid, signal.SIGKILL)
+                    killed.append(victim)
 
             faulted = asyncio.run(run_all(router_url, model, kill_midway, constrained=True))
             assert killed, "the replica was never killed"
@@ -116,4 +122,4 @@ def test_killed_replica_mid_stream_loses_nothing(tiny_checkpoints):
                   f"pause between chunks, {p99([g for _, _, g in reference]) * 1e3:.0f} -> "
                   f"{p99([g for _, _, g in faulted]) * 1e3:.0f} ms; p99 end-to-end "
                   f"{p99([s for _, s, _ in reference]) * 1e3:.0f} -> {p99([s for _, s, _ in faulted]) * 1e3:.0f} ms)")
-            assert migrated > 0
+            assert migrated > 0, f"the killed replica had {killed[0]['outstanding']} streams, none resumed"
