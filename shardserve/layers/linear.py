@@ -43,6 +43,7 @@ class PackedWeight:
         self.panel_kernel = load_panel_linear(weight.dtype)
         if self.panel_kernel is not None:
             self.data = self.panel_kernel.pack(weight.detach().contiguous())
+            self.panel_linear = self.panel_kernel.linear.default  # the overload itself: no lookup per call
         else:
             self.data = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # 32: decode batch hint
 
@@ -50,8 +51,8 @@ class PackedWeight:
         if self.panel_kernel is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
         if x.dim() == 2:
-            return self.panel_kernel.linear(x, self.data, bias, self.out_features)
-        y = self.panel_kernel.linear(x.reshape(-1, x.shape[-1]), self.data, bias, self.out_features)
+            return self.panel_linear(x, self.data, bias, self.out_features)
+        y = self.panel_linear(x.reshape(-1, x.shape[-1]), self.data, bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 

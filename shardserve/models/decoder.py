@@ -21,6 +21,7 @@ from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 from shardserve.layers.linear import Linear, default_weight_loader
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
+from shardserve.models.flat_layers import FlatLayers
 from shardserve.models.moe import SparseMoeBlock, expert_param_name
 from shardserve.models.weight_names import WEIGHT_NAMES
 from shardserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -121,14 +122,18 @@ class DecoderModel(nn.Module):
         if groups.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, groups.tp)
+        self.flat_layers: FlatLayers | None = None  # set by prepack() where it covers every layer
 
     def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], meta,
                 hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if hidden_in is None else hidden_in  # [T, hidden]
         cos_sin = self.rotary.lookup(positions)
         delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, delta = layer(cos_sin, x, delta, kv_cache, meta)
+        if self.flat_layers is not None and x.is_contiguous():
+            x, delta = self.flat_layers.forward(x, cos_sin, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, delta = layer(cos_sin, x, delta, kv_cache, meta)
         if self.norm is None:  # not the last stage: pass the residual stream on
             return x if delta is None else x.add_(delta)
         return self.norm(x, delta)
@@ -146,6 +151,7 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, ParallelLMHead)):
                 module.prepack()
+        self.flat_layers = FlatLayers.build(self)
 
     def load_weights(self, tensors: Iterable[tuple[str, "torch.Tensor | LazyTensor"]]) -> None:
         """Copy checkpoint tensors (HF names) into our parameters, each rank reading only its

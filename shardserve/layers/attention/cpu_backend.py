@@ -48,10 +48,13 @@ class CpuNativeAttention:
     name = "cpu_native"
 
     def __init__(self):
-        self.decode_kernel = load_paged_decode_attention()
-        self.rotary_kv = load_rotary_kv()  # None: rotate and store with torch ops
-        if self.decode_kernel is None:
+        decode_kernel = load_paged_decode_attention()
+        if decode_kernel is None:
             raise RuntimeError("the native CPU attention kernel is not available (no toolchain, or disabled)")
+        rotary_kv = load_rotary_kv()
+        # the overloads themselves: no lookup on each of the step's per-layer calls
+        self.decode_kernel = decode_kernel.default
+        self.rotary_kv = None if rotary_kv is None else rotary_kv.default  # None: rotate and store with torch ops
 
     @staticmethod
     def available() -> bool:
@@ -75,7 +78,7 @@ class CpuNativeAttention:
             return meta
         tables, context_lens = padded_block_tables(chunks, cache.block_size)
         starts = list(accumulate((s.num_tokens for s in chunks[:-1]), initial=num_decodes))
-        meta.prefill_tables = PrefillTables(kernel, tensor(tables), tensor(starts), tensor([s.num_tokens for s in chunks]),
+        meta.prefill_tables = PrefillTables(kernel.default, tensor(tables), tensor(starts), tensor([s.num_tokens for s in chunks]),
                                             tensor(context_lens))
         return meta
 
@@ -84,8 +87,8 @@ class CpuNativeAttention:
         n = meta.num_decodes
         decoded = None
         if n:
-            decoded = self.decode_kernel(q[:n].contiguous(), kv_cache[0], kv_cache[1], meta.block_table,
-                                         meta.context_lens, scale)
+            decoded = self.decode_kernel(q if n == q.shape[0] else q[:n].contiguous(), kv_cache[0], kv_cache[1],
+                                         meta.block_table, meta.context_lens, scale)
             if not meta.prefills and meta.prefill_tables is None:
                 return decoded
         out = torch.empty_like(q)
