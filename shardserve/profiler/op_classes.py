@@ -15,8 +15,11 @@
 How: during a profiled step, forward hooks open a labelled range around each module of the
 first three kinds (`module_scopes`), and the StepProbe labels the step's phases. Every event's
 self time (its time less its children's) then goes to a class: a communication op, or an op
-inside one, is comm; otherwise the nearest enclosing label decides. The self times of a step's
-events partition the step, so the classes sum to the profiled step's wall time.
+inside one, is comm; otherwise the nearest enclosing label decides. The flat layer loop
+(models/flat_layers.py) calls the kernels without going through the modules: there a native
+kernel op, or an op inside one, takes its class from the kernel's name (`KERNEL_CLASSES`). The
+self times of a step's events partition the step, so the classes sum to the profiled step's wall
+time.
 """
 from __future__ import annotations
 
@@ -48,6 +51,11 @@ _COLLECTIVES = (("all_reduce", ("allreduce", "all_reduce")), ("all_gather", ("al
                 ("all_to_all", ("alltoall", "all_to_all")), ("reduce_scatter", ("reduce_scatter",)),
                 ("broadcast", ("broadcast",)), ("p2p", ("send", "recv")), ("barrier", ("barrier",)))
 _COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
+# op name prefix -> class, for kernels called outside any module scope (the flat layer loop)
+KERNEL_CLASSES = (("shardserve_panel_linear::", "gemm"), ("mkldnn::_linear_pointwise", "gemm"),
+                  ("shardserve_paged_decode_attention::", "attention"),
+                  ("shardserve_paged_prefill_attention::", "attention"),
+                  ("shardserve_fused_elementwise::rotary_kv", "attention"))
 
 
 def module_class(module: nn.Module) -> str | None:
@@ -127,13 +135,20 @@ def _scope(label: str) -> tuple[str, str, str] | None:
     return None
 
 
+def kernel_class(name: str) -> str | None:
+    return next((cls for prefix, cls in KERNEL_CLASSES if name.startswith(prefix)), None)
+
+
 def _classify(event) -> tuple[str, str, str | None]:
     """(phase, class, collective) of one event's self time: walk up to the nearest phase label;
-    the first communication op on the way makes it comm, else the first label decides."""
+    the first communication op on the way makes it comm, else the first label or named kernel
+    decides."""
     phase, cls, collective, node = None, None, None, event
     while node is not None and node.name != STEP_LABEL:
         if cls is None and collective is None:
             collective = collective_of(node.name)
+        if cls is None and collective is None:
+            cls = kernel_class(node.name)
         scope = _scope(node.name)
         if scope is not None:
             scope_phase, inner_cls, own_cls = scope
