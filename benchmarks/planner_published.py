@@ -15,9 +15,14 @@ How a row becomes a prediction
   data-parallel attention; replicas = GPUs / GPUs per replica.
 - offline rows (max throughput, every request at once) are a closed loop as deep as the engine
   takes, with the engine limits trtllm-bench derives when a table leaves them at their defaults
-  (tensorrt_llm/bench/build/tuning.py): a batch of what the KV cache holds for isl + osl tokens,
-  at most 4096, and a step budget of batch x (1 + isl / osl) tokens, between 2048 and 32768.
-  Rows whose source gives its settings override them (ROW_SETTINGS). Concurrency rows are a
+  (`trtllm_bench_limits`, restating tensorrt_llm/bench/build/tuning.py: its own KV estimate,
+  a batch at most 4096, a step budget of batch x (1 + isl / osl) tokens, between 2048 and
+  32768), per rank under attention DP, and never more sequences than the planner's KV capacity.
+  Rows whose source gives its settings override them (ROW_SETTINGS); a stated KV-cache dtype
+  other than the weights' is passed on (Deployment.kv_dtype).
+- host runtime: rows of TensorRT-LLM's PyTorch backend (PYTHON_RUNTIME_SOURCES) carry its host
+  cost per sequence per step (PYTHON_RUNTIME_SEQ_OVERHEAD_S, from TensorRT-LLM's own
+  measurement, not fitted here); the C++ runtime rows keep the planner's priors. Concurrency rows are a
   closed loop of that many clients; request-rate rows Poisson traffic at that rate (TTFT and
   TPOT compared).
 - not expressed, and counted as such: rows without a published prompt length (MLPerf's logs
@@ -50,6 +55,7 @@ from pathlib import Path
 import yaml
 
 from shardserve.config import ConfigError, ParallelConfig
+from shardserve.dtypes import kv_bytes_of
 from shardserve.planner.cost_model import Deployment
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import get_hardware, load_catalog
@@ -58,12 +64,19 @@ from shardserve.planner.replica_model import ReplicaModel, Workload
 from shardserve.planner.search import SearchSpace, kv_capacity_seqs
 
 HERE = Path(__file__).resolve().parent
-MAX_BATCH, MIN_BUDGET, MAX_BUDGET = 4096, 2048, 32768  # trtllm-bench's bounds on its derived limits
 # Engine settings a row's source states (the blog's trtllm-bench command lines).
 ROW_SETTINGS = {
     "trtllm-blog-dsr1-h200-maxtput": {"max_batch": 128, "token_budget": 1151, "dp_attention": True},
-    "trtllm-blog-dsr1-b200-maxtput-fp16kv": {"dp_attention": True},
+    "trtllm-blog-dsr1-b200-maxtput-fp16kv": {"max_batch": 384, "token_budget": 1536, "dp_attention": True},
 }
+# Engines whose host runtime is Python (TensorRT-LLM's PyTorch backend, from v0.19 on) pay host
+# time per sequence in every step; the TensorRT engines of v0.14-v0.17 schedule in C++.
+PYTHON_RUNTIME_SOURCES = ("trtllm10", "trtllm-latest", "trtllm-blog")
+# Host seconds per sequence per step of that runtime, a prior not fitted here: TensorRT-LLM's own
+# measurement (NVIDIA/TensorRT-LLM pull request #10273: GB200, attention DP 2, max_batch_size
+# 1536, 1k/1k, host-bound) was 45.1 ms of host time per iteration for up to 1536 sequences per
+# rank, about 30 us a sequence. The C++ runtimes of the older tables keep the plain prior.
+PYTHON_RUNTIME_SEQ_OVERHEAD_S = 30e-6
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float8", "nvfp4": "float4", "fp4": "float4"}
 FAMILY = {"float16": "16-bit", "bfloat16": "16-bit", "float8": "fp8", "float4": "fp4"}
 GPUS = (("gb200", "GB200"), ("h100 nvl", None), ("h200", "H200"), ("h100", "H100"), ("b200", "B200"),
@@ -84,8 +97,9 @@ class Case:
     osl: int
     load: str  # "offline", "concurrency", "rate"
     load_value: float  # clients per replica, or requests/s per replica (0 offline)
-    max_batch: int | None  # None: trtllm-bench's derived limits
-    token_budget: int | None
+    max_batch: int  # per attention group (the engine's max_batch_size is per rank)
+    token_budget: int  # per attention group
+    python_runtime: bool  # host runtime in Python (PYTHON_RUNTIME_SOURCES)
     published: dict[str, float]  # metric name -> value (throughput per GPU in tok/s, ms)
 
 
@@ -136,8 +150,10 @@ def expressible(row: dict, catalog) -> tuple[Case | None, str]:
         return None, f"not in the presets/catalog: {row['model']}, {row['gpu']}, {row['dtype']}"
     settings = ROW_SETTINGS.get(row["id"], {})
     par = _layout(row, settings)
+    kv_dtype = _dtype(row["kv_dtype"]) if row.get("kv_dtype") else None
     try:
-        dep = Deployment(model, par, get_hardware(gpu, catalog), dtype)
+        dep = Deployment(model, par, get_hardware(gpu, catalog), dtype,
+                         kv_dtype=kv_dtype if kv_dtype and kv_bytes_of(kv_dtype) != kv_bytes_of(dtype) else None)
     except ConfigError as exc:
         return None, f"layout: {exc}"
     if row["num_gpus"] % par.world_size:
@@ -159,8 +175,42 @@ def expressible(row: dict, catalog) -> tuple[Case | None, str]:
         return None, "no metric the planner predicts"
     source = row["id"].split("-")[0]
     group = {"kind": "moe" if model.is_moe else "dense", "family": FAMILY[dtype], "gpu": gpu, "source": source}
+    derived_batch, derived_budget = trtllm_bench_limits(dep, row["isl"], row["osl"])
+    python_runtime = row["id"].startswith(PYTHON_RUNTIME_SOURCES)
     return Case(row["id"], group, dep, replicas, row["isl"], row["osl"], kind, value,
-                settings.get("max_batch"), settings.get("token_budget"), published), ""
+                settings.get("max_batch", derived_batch), settings.get("token_budget", derived_budget), python_runtime,
+                published), ""
+
+
+def trtllm_bench_limits(dep: Deployment, isl: int, osl: int) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) as trtllm-bench derives them when a table leaves them
+    at their defaults (tensorrt_llm/bench/build/tuning.py, restated): its own KV estimate --
+    2 x layers x max(tp, config kv heads) x head size x KV bytes per token, which knows no
+    MLA (DeepSeek's config: 128 kv heads of head_dim = qk_rope_head_dim) -- in the GPUs'
+    memory (GiB) less the parameters at the weight dtype's bytes, x 0.95, for isl + osl
+    tokens per request; the batch capped at 4096 and rounded up (to 32 below 256, 128 below
+    1024, else 256, at least 64); the tokens batch x (1 + isl / osl), capped at 32768, rounded
+    up (to 256 below 4096 and at least 2048, 512 below 8192, else 1024). The planner's
+    own capacity (what the KV cache holds) still bounds the batch."""
+    model, par = dep.model, dep.parallel
+    tp = par.world_size  # `--tp N` (DEP rows: the whole replica)
+    head_size, kv_heads = (model.mla.qk_rope_head_dim, model.num_heads) if model.mla else (model.head_dim,
+                                                                                         model.num_kv_heads)
+    gib = 1024 ** 3
+    token_gib = 2 * model.num_layers * max(tp, kv_heads) * head_size * dep.kv_bytes / gib
+    free_gib = dep.hardware.memory_bytes / gib * tp - model.num_params * dep.dtype_bytes / gib
+    requests = max(0.0, free_gib * 0.95 / (token_gib * (isl + osl)))
+    raw_bs = min(requests, 4096) / par.pp_size
+    raw_tokens = min(raw_bs * (1 + isl / osl), 32768)
+    if raw_bs < 256:
+        batch = max(64, 32 * math.ceil(raw_bs / 32))
+    else:
+        batch = (128 if raw_bs < 1024 else 256) * math.ceil(raw_bs / (128 if raw_bs < 1024 else 256))
+    if raw_tokens < 4096:
+        tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
+    else:
+        tokens = (512 if raw_tokens < 8192 else 1024) * math.ceil(raw_tokens / (512 if raw_tokens < 8192 else 1024))
+    return batch, tokens
 
 
 def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
@@ -169,11 +219,9 @@ def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
     kv_seqs = kv_capacity_seqs(dep, Workload(case.isl, case.osl, qps=1.0), SearchSpace())
     if kv_seqs < 1:
         return {}
-    if case.max_batch is not None:  # per attention group, as the engine's max_batch_size is per rank
-        max_seqs, budget = min(kv_seqs, case.max_batch * par.attention_groups), case.token_budget
-    else:
-        max_seqs = min(kv_seqs, MAX_BATCH)
-        budget = int(min(MAX_BUDGET, max(MIN_BUDGET, max_seqs * (1 + case.isl / case.osl))))
+    # per attention group, as the engine's max_batch_size and max_num_tokens are per rank
+    max_seqs = min(kv_seqs, case.max_batch * par.attention_groups)
+    budget = case.token_budget * par.attention_groups
     replica = ReplicaModel(dep, case.isl, case.osl, max_seqs, budget)
     if case.load == "rate":
         pred = replica.predict(case.load_value)
@@ -184,6 +232,14 @@ def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
     gpus = case.replicas * par.world_size
     return {"output_tok_s_per_gpu": pred.arrival_qps * case.replicas * case.osl / gpus,
             "ttft_ms": pred.ttft_s * 1e3, "tpot_ms": pred.tpot_s * 1e3}
+
+
+def prior(case: Case, efficiency: Efficiency | None = None) -> Efficiency:
+    """`efficiency` (default: the planner's priors) with the host cost of the row's runtime."""
+    efficiency = efficiency or Efficiency()
+    if not case.python_runtime:
+        return efficiency
+    return dataclasses.replace(efficiency, seq_overhead_s=PYTHON_RUNTIME_SEQ_OVERHEAD_S)
 
 
 def errors(cases: list[Case], efficiency_of) -> list[tuple[Case, str, float, float, float]]:
@@ -235,7 +291,7 @@ def fit_family(cases: list[Case]) -> Efficiency:
     for gemm, memory, kv_memory, overhead in itertools.product(*GRID.values()):
         eff = Efficiency(gemm=gemm, memory=memory, kv_memory=kv_memory, step_overhead_s=overhead, calibrated=True,
                          source="planner_published calibration subset")
-        errs = [e for c, m, _, _, e in errors(cases, lambda _c: eff) if m == "output_tok_s_per_gpu"]
+        errs = [e for c, m, _, _, e in errors(cases, lambda c: prior(c, eff)) if m == "output_tok_s_per_gpu"]
         err = statistics.median(errs) if errs else math.inf
         if err < best_err:
             best, best_err = eff, err
@@ -259,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} published rows, {len(cases)} expressible; not expressed: "
           + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])))
 
-    uncal = errors(cases, lambda _c: Efficiency())
+    uncal = errors(cases, prior)
     if args.show:
         for case, metric, published, value, err in uncal:
             par = case.deployment.parallel
@@ -276,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fit, held = calibration_split(cases)
     fitted = {group: fit_family([c for c in fit if calibration_group(c) == group]) for group in CALIBRATION_GROUPS}
-    cal = errors(held, lambda c: fitted[calibration_group(c)])
+    cal = errors(held, lambda c: prior(c, fitted[calibration_group(c)]))
     cal_throughput = [e[4] for e in cal if e[1] == "output_tok_s_per_gpu"]
     print(f"\ncalibrated on {len(fit)} rows (even positions per dtype family and dense/MoE), "
           f"scored on {len(held)} held-out rows:")

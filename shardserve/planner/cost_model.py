@@ -62,11 +62,14 @@ class Deployment:
     hardware: Hardware
     dtype: str = "bfloat16"
     efficiency: Efficiency = field(default_factory=Efficiency)
+    kv_dtype: str | None = None  # the KV cache's dtype when it is not the one `dtype` keeps
     stages: tuple[StagePlan, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.parallel.validate(self.model)
         dtype_bytes_of(self.dtype)
+        if self.kv_dtype is not None:
+            kv_bytes_of(self.kv_dtype)
         self.hardware.peak_flop_s_for(self.dtype)
         object.__setattr__(self, "stages", stage_plans(self.model, self.parallel))
 
@@ -76,7 +79,9 @@ class Deployment:
 
     @property
     def kv_bytes(self) -> int:
-        return kv_bytes_of(self.dtype)
+        """Bytes of a KV element: `kv_dtype`'s if given (an engine told to keep an fp16 cache
+        under fp4 weights), else what serving in `dtype` keeps."""
+        return kv_bytes_of(self.kv_dtype or self.dtype)
 
     @property
     def activation_bytes(self) -> int:
@@ -96,6 +101,8 @@ class Deployment:
         matmul units do not run attention."""
         if self.kv_bytes == 1:
             return "float8" if "float8" in self.hardware.peak_flop_s else "bfloat16"
+        if self.kv_dtype is not None:
+            return self.kv_dtype
         return self.dtype
 
 
@@ -419,7 +426,10 @@ def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) 
 
     gemm_s, weight_s, attention_s, kv_s, comm_s = (
         weighted(n) for n in ("gemm_s", "weight_s", "attention_s", "kv_s", "comm_s"))
-    overhead_s = dep.efficiency.overhead_s(load.num_seqs, load.num_tokens)
+    # each attention group is its own engine process with its own scheduler and sampler: the
+    # host work of a step is one group's share of the sequences and tokens, in parallel
+    groups = dep.parallel.attention_groups
+    overhead_s = dep.efficiency.overhead_s(load.num_seqs / groups, load.num_tokens / groups)
     total_s = sum(p.total_s for p in parts) + (num_micro - 1) * slowest.total_s + overhead_s
     pairs = ((gemm_s, weight_s), (attention_s, kv_s))
     shares = {"compute": sum(c for c, m in pairs if c >= m), "memory": sum(m for c, m in pairs if m > c),

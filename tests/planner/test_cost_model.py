@@ -33,7 +33,7 @@ MIXTRAL = preset("mixtral-8x7b")
 QWEN3_MOE = preset("qwen3-30b-a3b")
 BF16 = 2
 H100_BW = 0.8 * 3.35e12  # memory bandwidth after the default efficiency
-H100_PEAK = 0.7 * 989.4e12  # bf16 GEMM FLOP/s after the default efficiency
+H100_PEAK = 0.6 * 989.4e12  # bf16 GEMM FLOP/s after the default efficiency
 NVLINK = (450e9 * 0.7, 1e-6)
 
 
@@ -229,7 +229,7 @@ def test_pipeline_step_is_sum_of_stages_plus_slowest_per_extra_micro_batch():
 def test_prefill_is_compute_bound_and_pipeline_adds_p2p():
     one = prefill_time(dep(LLAMA70B, par(tp=8)), prompt_len=4096)
     assert one.bottleneck in ("compute", "network") and one.gemm_s > one.memory_s
-    # 2 FLOPs * 80 layers * 855.6M layer params * 4096 tokens / 8 ranks at 0.7 * 989.4 TFLOP/s,
+    # 2 FLOPs * 80 layers * 855.6M layer params * 4096 tokens / 8 ranks at 0.6 * 989.4 TFLOP/s,
     # plus the LM head for the one sampled row (the embedding is a lookup, not a GEMM)
     layer_params = 8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672
     expected_flops = 2 * 80 * layer_params * 4096 / 8 + 2 * 8192 * 128_256 / 8
@@ -324,3 +324,27 @@ def test_data_parallel_attention_is_a_planner_layout_only():
         par(tp=2, ep=2, dp_attention=True).validate(TINY_MOE)
     with pytest.raises(ConfigError, match="the engine does not run it"):
         EngineConfig(parallel=par(ep=2, dp_attention=True))
+
+
+def test_host_overhead_is_per_attention_group():
+    # dp_attention: each of the ep / tp = 4 attention groups is its own engine process, whose host
+    # prepares and samples only its quarter of the step's sequences and tokens
+    eff = Efficiency(step_overhead_s=1e-3, seq_overhead_s=10e-6, token_overhead_s=1e-6)
+    shared = dep(QWEN3_MOE, par(tp=1, ep=4), efficiency=eff)
+    grouped = dep(QWEN3_MOE, par(tp=1, ep=4, dp_attention=True), efficiency=eff)
+    assert decode_step_time(shared, 400, 1000).overhead_s == pytest.approx(1e-3 + 400 * 10e-6 + 400 * 1e-6)
+    assert decode_step_time(grouped, 400, 1000).overhead_s == pytest.approx(1e-3 + 100 * 10e-6 + 100 * 1e-6)
+
+
+def test_kv_dtype_overrides_the_cache_the_weights_keep():
+    # fp4 weights keep an fp8 cache (1 byte) unless the engine is told to keep fp16 (2 bytes)
+    fp4 = dep(LLAMA70B, par(), hw="b200", dtype="float4")
+    fp16_cache = dep(LLAMA70B, par(), hw="b200", dtype="float4", kv_dtype="float16")
+    assert (fp4.kv_bytes, fp16_cache.kv_bytes) == (1, 2)
+    assert (fp4.attention_dtype, fp16_cache.attention_dtype) == ("float8", "float16")
+    # a decode of 64 sequences at 1000 tokens reads 80 layers * 8 kv heads * 128 * 2 (K, V) bytes a token
+    kv_read_bytes = 64 * 1000 * 80 * 8 * 128 * 2
+    assert step_work(fp16_cache, BatchSummary(num_decode_seqs=64, decode_context_len=1000)).kv_bytes == kv_read_bytes * 2
+    assert step_work(fp4, BatchSummary(num_decode_seqs=64, decode_context_len=1000)).kv_bytes == kv_read_bytes
+    with pytest.raises(ConfigError):
+        dep(LLAMA70B, par(), hw="b200", dtype="float4", kv_dtype="float5")
