@@ -22,10 +22,14 @@ and a step of m micro-batches through pp stages takes the classic pipeline time
 (the first micro-batch crosses every stage, the others follow at the slowest stage's pace;
 m = num_micro_batches, default pp, at most one per sequence; m = 1 without pipeline).
 Communication per layer: tp all-reduce of [T, h] after attention and after a dense or ep = 1 MoE
-MLP; with ep > 1 a dispatch and a combine all-to-all of each rank's T/ep * k rows and an
-all-gather of [T, h] over the stage (plus the shared expert's all-reduce). With dp_attention the
-g = ep / tp attention groups each take 1/g of the batch (its tokens, KV reads, LM-head rows and
-all-reduces) and the all-gather goes: each group keeps its own tokens. The embedding
+MLP; with ep > 1 a dispatch and a combine all-to-all of the busiest rank's rows (T k / ep on
+average, more on the busiest: expert_load.busiest_rank_rows, which also sets the routed-expert
+compute of a rank) and an all-gather of [T, h] over the stage (plus the shared expert's
+all-reduce). With dp_attention the g = ep / tp attention groups share the batch by whole
+sequences and wait for each other at every MoE layer, so attention, KV reads, LM-head rows,
+all-reduces and host work are the busiest group's (busiest_group_load: one prompt chunk is not
+split over groups; a batch of many sequences gives each about 1/g) and the all-gather goes: each
+group keeps its own tokens. The embedding
 all-reduces over tp, the LM head all-gathers the logits, stages hand [T, h] on point-to-point.
 A group that spans more devices than a node has uses the NIC. Norms, rotary, activations and
 sampling are left to the host overhead, `step_overhead_s + seq_overhead_s * N + token_overhead_s * T`
@@ -45,6 +49,7 @@ from shardserve.param_counts import (
 )
 from shardserve.planner.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
 from shardserve.planner.efficiency import Efficiency
+from shardserve.planner.expert_load import busiest_rank_rows
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory_fit import stage_kv_bytes_per_token
 from shardserve.planner.rank_shards import (
@@ -201,6 +206,39 @@ class _BatchLoad:
                           self.num_context_tokens / num_parts, self.num_seqs / num_parts)
 
 
+def _chunks_load(chunks: Sequence[tuple[int, int]]) -> _BatchLoad:
+    return _BatchLoad(
+        num_tokens=sum(t for t, _ in chunks),
+        num_pairs=sum(num_attended_pairs(t, c) for t, c in chunks),
+        num_decode_pairs=sum(c for t, c in chunks if t == 1),
+        num_context_tokens=sum(c for _, c in chunks),
+        num_seqs=len(chunks),
+    )
+
+
+def busiest_group_load(batch: Sequence[tuple[int, int]] | BatchSummary, num_groups: int) -> _BatchLoad:
+    """What the most loaded of `num_groups` data-parallel attention groups holds. A sequence
+    lives on one group (its KV is there), so a prompt chunk is never split: the engine balances
+    whole sequences, here greedily by new tokens (largest first onto the lightest group). Every
+    group waits for the others at each MoE layer, so this group sets the step's attention time.
+    A BatchSummary's one prompt chunk sits on one group with that group's share of the decodes."""
+    if num_groups <= 1:
+        return _batch_load(batch)
+    if isinstance(batch, BatchSummary):
+        b = batch
+        chunk = BatchSummary(b.num_prefill_tokens, b.prefill_context_len, b.num_decode_seqs / num_groups,
+                             b.decode_context_len)
+        return _batch_load(chunk)
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+    tokens = [0] * num_groups
+    for chunk in sorted(batch, key=lambda tc: (tc[0], tc[1]), reverse=True):
+        lightest = min(range(num_groups), key=lambda g: (tokens[g], len(groups[g])))
+        groups[lightest].append(chunk)
+        tokens[lightest] += chunk[0]
+    loads = [_chunks_load(g) for g in groups]
+    return max(loads, key=lambda load: (load.num_tokens, load.num_context_tokens, load.num_seqs))
+
+
 def _batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> _BatchLoad:
     if isinstance(batch, BatchSummary):
         b = batch
@@ -213,13 +251,7 @@ def _batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> _BatchLoad:
             num_context_tokens=prefill_seqs * b.prefill_context_len + b.num_decode_seqs * b.decode_context_len,
             num_seqs=prefill_seqs + b.num_decode_seqs,
         )
-    return _BatchLoad(
-        num_tokens=sum(t for t, _ in batch),
-        num_pairs=sum(num_attended_pairs(t, c) for t, c in batch),
-        num_decode_pairs=sum(c for t, c in batch if t == 1),
-        num_context_tokens=sum(c for _, c in batch),
-        num_seqs=len(batch),
-    )
+    return _chunks_load(batch)
 
 
 @dataclass(frozen=True)
@@ -290,10 +322,11 @@ def _group_link(dep: Deployment, group_size: int) -> tuple[float, float]:
     return _link(dep, group_size > dep.hardware.devices_per_node)
 
 
-def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> float:
+def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad, local: _BatchLoad) -> float:
+    """`load`: the whole step's; `local`: what the busiest attention group holds (= load without
+    dp_attention)."""
     model, par = dep.model, dep.parallel
     tp, ep, h, b = par.tp_size, par.ep_size, model.hidden_size, dep.activation_bytes
-    local = load.split(par.attention_groups)  # what one attention group holds
     act_bytes = local.num_tokens * h * b
     tp_allreduce = ring_allreduce_time_s(act_bytes, tp, *_group_link(dep, tp)) if tp > 1 else 0.0
     # per layer: after attention; after a dense MLP; after an ep = 1 MoE MLP (and its shared expert)
@@ -304,7 +337,8 @@ def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoa
             moe += tp_allreduce
         else:
             link = _group_link(dep, par.stage_size)
-            routed_bytes = load.num_tokens / ep * model.num_experts_per_token * h * b  # one rank's rows
+            # the busiest rank's rows: an all-to-all ends when its largest receiver is done
+            routed_bytes = busiest_rank_rows(model, ep, load.num_tokens) * h * b
             moe += 2 * all_to_all_time_s(routed_bytes, ep, *link)
             if par.attention_groups == 1:  # repeated attention needs every token back on every rank
                 moe += all_gather_time_s(act_bytes, ep, *link)
@@ -331,19 +365,20 @@ class _StageWork:
     decode_attention_flops: float  # the part of attention_flops from decode tokens
 
 
-def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWork:
+def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad, local: _BatchLoad) -> _StageWork:
+    """`load`: the whole step's (what the experts see); `local`: the busiest attention group's,
+    what attention and dense MLPs see (= load without dp_attention)."""
     model, par = dep.model, dep.parallel
     tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
     tokens = load.num_tokens
-    local = load.split(par.attention_groups)  # attention and dense MLPs see one group's sequences
     # Params every token multiplies by, and params read from memory, on this rank.
     token_params = stage.num_layers * attention_params(model, tp) + stage.num_dense_layers * dense_mlp_params(model, tp)
     gemm_flops, read_params = 2 * local.num_tokens * token_params, float(token_params)
     if stage.num_moe_layers:
         shared = shared_expert_params_per_rank(model, tp)
         # ep = 1: every rank routes all tokens through tp slices; ep > 1: each routes its 1/ep chunk
-        # and runs whole experts on the rows sent to it (even load assumed)
-        routed_rows = tokens * model.num_experts_per_token / ep
+        # and runs whole experts on the rows sent to it, the busiest rank setting the pace
+        routed_rows = busiest_rank_rows(model, ep, tokens)
         row_params = expert_params(model) / (tp if ep == 1 else 1)
         router_tokens = tokens / ep
         router = router_params(model)
@@ -363,8 +398,8 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad) -> _StageWo
                       local.num_context_tokens * kv_token_bytes, decode_attention_flops)
 
 
-def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad) -> _StageParts:
-    eff, work, hw = dep.efficiency, _stage_work(dep, stage, load), dep.hardware
+def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad, local: _BatchLoad) -> _StageParts:
+    eff, work, hw = dep.efficiency, _stage_work(dep, stage, load, local), dep.hardware
     peak_flop_s, attention_peak_flop_s = hw.peak_flop_s_for(dep.dtype), hw.peak_flop_s_for(dep.attention_dtype)
     prefill_attention_flops = work.attention_flops - work.decode_attention_flops
     return _StageParts(
@@ -373,7 +408,7 @@ def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad
         attention_s=(prefill_attention_flops / (attention_peak_flop_s * eff.attention)
                      + work.decode_attention_flops / (attention_peak_flop_s * eff.decode_attention_factor)),
         kv_s=work.kv_bytes / (hw.memory_bandwidth_bytes_s * eff.kv_memory_factor),
-        comm_s=_stage_comm_s(dep, stage, index, load), overlap=eff.overlap,
+        comm_s=_stage_comm_s(dep, stage, index, load, local), overlap=eff.overlap,
     )
 
 
@@ -399,8 +434,8 @@ class StepWork:
 
 def step_work(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepWork:
     """FLOPs and bytes of one step of `batch` (as `step_time` takes it) on a device of each stage."""
-    load = _batch_load(batch)
-    works = [_stage_work(dep, stage, load) for stage in dep.stages]
+    load, local = _batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
+    works = [_stage_work(dep, stage, load, local) for stage in dep.stages]
     return StepWork(*(sum(getattr(w, name) for w in works)
                       for name in ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes")))
 
@@ -415,10 +450,10 @@ def _num_micro_batches(par: ParallelConfig, num_seqs: float) -> int:
 def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepTime:
     """Time one step of `batch`: (num_new_tokens, context_len) per sequence, or a BatchSummary.
     See the module docstring for the rule."""
-    load = _batch_load(batch)
+    load, local = _batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
     num_micro = _num_micro_batches(dep.parallel, load.num_seqs)
-    micro = load.split(num_micro)
-    parts = [_stage_parts(dep, stage, i, micro) for i, stage in enumerate(dep.stages)]
+    micro, local_micro = load.split(num_micro), local.split(num_micro)
+    parts = [_stage_parts(dep, stage, i, micro, local_micro) for i, stage in enumerate(dep.stages)]
     slowest = max(parts, key=lambda p: p.total_s)
 
     def weighted(name: str) -> float:
@@ -427,9 +462,8 @@ def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) 
     gemm_s, weight_s, attention_s, kv_s, comm_s = (
         weighted(n) for n in ("gemm_s", "weight_s", "attention_s", "kv_s", "comm_s"))
     # each attention group is its own engine process with its own scheduler and sampler: the
-    # host work of a step is one group's share of the sequences and tokens, in parallel
-    groups = dep.parallel.attention_groups
-    overhead_s = dep.efficiency.overhead_s(load.num_seqs / groups, load.num_tokens / groups)
+    # host work of a step is the busiest group's sequences and tokens, the groups in parallel
+    overhead_s = dep.efficiency.overhead_s(local.num_seqs, local.num_tokens)
     total_s = sum(p.total_s for p in parts) + (num_micro - 1) * slowest.total_s + overhead_s
     pairs = ((gemm_s, weight_s), (attention_s, kv_s))
     shares = {"compute": sum(c for c, m in pairs if c >= m), "memory": sum(m for c, m in pairs if m > c),

@@ -3,6 +3,8 @@ engine's layout (ParallelConfig: stage = max(tp, ep) ranks, experts over the who
 from __future__ import annotations
 
 import dataclasses
+import math
+from statistics import NormalDist
 
 import pytest
 
@@ -250,14 +252,19 @@ def test_collectives_move_bf16_activations_under_fp8_weights():
 
 
 def test_expert_parallel_compute_and_all_to_all_by_hand():
-    # TINY_MOE, tp=1, ep=2, decode 4 seqs: each rank routes 2 tokens, runs 4*2/2 = 4 expert rows
+    # TINY_MOE, tp=1, ep=2, decode 4 seqs: each rank routes 2 tokens; 4*2/2 = 4 expert rows per
+    # rank on average, and the busiest of the 2 ranks gets 4 + z_2 sigma: a token's rows to one
+    # rank are hypergeometric (2 of 4 experts drawn, 2 of them the rank's), variance
+    # 2 * 1/2 * 1/2 * (4-2)/(4-1) = 1/3, over 4 tokens sigma = sqrt(4/3); z_2 (Blom) = Phi^-1(1.625/2.25)
+    rows = 4 + NormalDist().inv_cdf(1.625 / 2.25) * math.sqrt(4 / 3)
+    assert rows == pytest.approx(4.6806, abs=1e-4)
     t = decode_step_time(dep(TINY_MOE, par(ep=2)), batch_size=4, context_len=10)
     attention_flops = 2 * 4 * (8192 + 4096)  # per layer, unsharded on each rank
-    moe_flops = 2 * 2 * 64 * 4 + 2 * 4 * 6144  # router on 2 tokens, 4 rows through whole experts
+    moe_flops = 2 * 2 * 64 * 4 + 2 * rows * 6144  # router on 2 tokens, the busiest rank's rows through whole experts
     head_flops = 2 * 4 * 384 * 64
     assert t.gemm_s == pytest.approx((2 * (attention_flops + moe_flops) + head_flops) / H100_PEAK)
-    # per layer: dispatch + combine of 2 tokens * 2 choices * 64 * 2 bytes, all-gather of [4, 64]
-    a2a = all_to_all_time_s(2 * 2 * 64 * 2, 2, *NVLINK)
+    # per layer: dispatch + combine of the busiest rank's rows * 64 * 2 bytes, all-gather of [4, 64]
+    a2a = all_to_all_time_s(rows * 64 * 2, 2, *NVLINK)
     assert t.comm_s == pytest.approx(2 * (2 * a2a + all_gather_time_s(4 * 64 * 2, 2, *NVLINK)))
     # ep=1, tp=2 instead: one all-reduce after attention and one after the experts, per layer
     tp = decode_step_time(dep(TINY_MOE, par(tp=2)), batch_size=4, context_len=10)
@@ -324,6 +331,24 @@ def test_data_parallel_attention_is_a_planner_layout_only():
         par(tp=2, ep=2, dp_attention=True).validate(TINY_MOE)
     with pytest.raises(ConfigError, match="the engine does not run it"):
         EngineConfig(parallel=par(ep=2, dp_attention=True))
+
+
+def test_data_parallel_attention_charges_the_busiest_group():
+    # a sequence lives on one attention group: a lone prompt is attended whole by its group while
+    # the others wait at the MoE layers, so dp_attention does not cut its attention time
+    repeated, split = dep(TINY_MOE, par(ep=4)), dep(TINY_MOE, par(ep=4, dp_attention=True))
+    prompt = [(64, 64)]
+    assert step_work(split, prompt).attention_flops == pytest.approx(step_work(repeated, prompt).attention_flops)
+    # three prompts over 2 groups, largest first onto the lightest: 40 | 30 + 20, the second busiest
+    two = dep(TINY_MOE, par(ep=2, dp_attention=True))
+    pairs = 30 * 31 // 2 + 20 * 21 // 2
+    assert step_work(two, [(40, 40), (30, 30), (20, 20)]).attention_flops == pytest.approx(
+        2 * attention_flops_per_pair(TINY_MOE) * pairs)
+    # a summary's prompt chunk sits on one group with that group's quarter of the decodes
+    mixed = BatchSummary(num_prefill_tokens=16, prefill_context_len=16, num_decode_seqs=8, decode_context_len=100)
+    assert step_work(split, mixed).kv_bytes == pytest.approx(
+        step_work(repeated, BatchSummary(num_prefill_tokens=16, prefill_context_len=16, num_decode_seqs=2,
+                                         decode_context_len=100)).kv_bytes)
 
 
 def test_host_overhead_is_per_attention_group():
