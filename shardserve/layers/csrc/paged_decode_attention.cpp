@@ -6,9 +6,9 @@
 //
 // At decode batch sizes the cache reads dominate and come from DRAM (a step touches every
 // sequence's whole context, far more than the caches hold), at scattered 2 KB blocks. With
-// AVX-512 and head_dim a multiple of 16 the kernel therefore prefetches the next block (and the
-// first value blocks while the softmax runs) and keeps the arithmetic in vector registers: up to
-// four heads' dot products and output sums live in registers while a row streams by, bf16 keys
+// AVX-512 and head_dim a multiple of 16 the kernel therefore prefetches the next key block (and
+// the value block of the key block being scored) and keeps the arithmetic in vector registers: up
+// to four heads' dot products and output sums live in registers while a row streams by, bf16 keys
 // meet bf16 queries in the AVX512-BF16 dot instruction (exact products, float32 sums), widening
 // bf16 values is a shift, exp is a vector polynomial. With AVX2 (and head_dim a multiple of 8) the
 // same kernel runs on 8 lanes, bf16 keys widened like the values. Otherwise a portable loop does
@@ -94,17 +94,14 @@ void attend_one_portable(const T* q, const T* k_cache, const T* v_cache, const i
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // The cache block's lines on their way to L2 while the one before is used. Into L2, not L1:
 // 32 prefetches into L1 at once fill its few miss buffers and the core stalls on them (the
 // profile's hottest instructions); a 32@512 bf16 layer took 1.16 ms with T0, 1.01 with T1, 1.04
 // with T1 two blocks ahead, 1.7 without (2 Sapphire Rapids cores, keys scored on tiles).
 inline void prefetch_block(const void* block, int64_t num_bytes) {
   const char* p = static_cast<const char*>(block);
-  for (int64_t i = 0; i < num_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+  for (int64_t i = 0; i < num_bytes; i += 64) __builtin_prefetch(p + i, 0, 2);  // prefetcht1
 }
-
-#endif
 
 #if defined(__AVX512F__)
 // s[g * s_stride + t] = scale * (q_g . keys[t]) for t < n, for GN query heads; qf is q * scale in
@@ -149,19 +146,37 @@ inline void score_keys(const c10::BFloat16* keys, int64_t n, int64_t head_dim, c
   score_keys_widened<GN>(keys, n, head_dim, qf, s, s_stride);
 }
 
-// acc[g][:] += sum over t < n of p[g * p_stride + t] * values[t][:], for GN query heads
-template <int GN, typename T>
-inline void accumulate_values(const T* values, int64_t n, int64_t head_dim, const float* p, int64_t p_stride,
-                              float* acc) {
-  for (int64_t c = 0; c < head_dim; c += 16) {
-    __m512 a[GN];
-    for (int g = 0; g < GN; ++g) a[g] = _mm512_loadu_ps(acc + g * head_dim + c);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 v = load16(values + t * head_dim + c);
-      for (int g = 0; g < GN; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride + t]), v, a[g]);
+// acc[g][c0 .. c0 + 16 CB) += sum over t < n of p[g * p_stride + t] * values[t][same], for GN
+// query heads: GN x CB sums in registers, so each value row is loaded once and the FMAs of one
+// row are independent (one chunk at a time waited on each sum's FMA latency). Each sum still
+// adds the rows in order t = 0, 1, ...
+template <int GN, int CB, typename T>
+inline void accumulate_values(const T* values, int64_t n, int64_t head_dim, int64_t c0, const float* p,
+                              int64_t p_stride, float* acc) {
+  __m512 a[GN][CB];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < CB; ++j) a[g][j] = _mm512_loadu_ps(acc + g * head_dim + c0 + 16 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[CB];
+    for (int j = 0; j < CB; ++j) v[j] = load16(values + t * head_dim + c0 + 16 * j);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+      for (int j = 0; j < CB; ++j) a[g][j] = _mm512_fmadd_ps(pg, v[j], a[g][j]);
     }
-    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(acc + g * head_dim + c, a[g]);
   }
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < CB; ++j) _mm512_storeu_ps(acc + g * head_dim + c0 + 16 * j, a[g][j]);
+}
+
+// accumulate_values over all of head_dim, up to 4 chunks of 16 at a time
+template <int GN, typename T>
+inline void accumulate_rows(const T* values, int64_t n, int64_t head_dim, const float* p, int64_t p_stride,
+                            float* acc) {
+  const int64_t chunks = head_dim / 16;
+  int64_t c = 0;
+  for (; c + 4 <= chunks; c += 4) accumulate_values<GN, 4>(values, n, head_dim, 16 * c, p, p_stride, acc);
+  for (; c + 2 <= chunks; c += 2) accumulate_values<GN, 2>(values, n, head_dim, 16 * c, p, p_stride, acc);
+  for (; c < chunks; ++c) accumulate_values<GN, 1>(values, n, head_dim, 16 * c, p, p_stride, acc);
 }
 
 #if defined(SHARDSERVE_AMX)
@@ -236,7 +251,7 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
                        int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
                        float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
                        bool tiles) {
-  const int64_t chunks = head_dim / 16, block_elems = block_size * head_dim;
+  const int64_t block_elems = block_size * head_dim;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T)), n_blocks = (context_len + block_size - 1) / block_size;
   const T* k_base = k_cache + kv_head * num_blocks * block_elems;
   const T* v_base = v_cache + kv_head * num_blocks * block_elems;
@@ -253,7 +268,9 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
   prefetch_block(k_base + table[0] * block_elems, block_bytes);
   for (int64_t b = 0; b < n_blocks; ++b) {
     if (b + 1 < n_blocks) prefetch_block(k_base + table[b + 1] * block_elems, block_bytes);
-    else prefetch_block(v_base + table[0] * block_elems, block_bytes);  // the value pass starts next
+    // the value block too: it is in L2 by the value pass, which then waits on nothing (prefetched
+    // one block ahead in that pass instead, a 32@160 bf16 step of 30 layers took 1.22x as long)
+    prefetch_block(v_base + table[b] * block_elems, block_bytes);
     const T* keys = k_base + table[b] * block_elems;
     const int64_t n = std::min(block_size, context_len - b * block_size);
 #if defined(SHARDSERVE_AMX)
@@ -276,7 +293,8 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
       }
     }
   }
-  std::vector<float> inv_sums(group);
+  acc.assign(group * head_dim + group, 0.f);  // the sums, then each head's 1 / softmax denominator
+  float* inv_sums = &acc[group * head_dim];
   for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place; the 1/sum is applied at the end
     float* s = &scores[g * padded];
     __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -299,24 +317,23 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
     }
     inv_sums[g] = 1.f / _mm512_reduce_add_ps(vsum);
   }
-  acc.assign(group * head_dim, 0.f);
   for (int64_t b = 0; b < n_blocks; ++b) {
-    if (b + 1 < n_blocks) prefetch_block(v_base + table[b + 1] * block_elems, block_bytes);
     const T* values = v_base + table[b] * block_elems;
     const int64_t n = std::min(block_size, context_len - b * block_size);
     for (int64_t g0 = 0; g0 < group; g0 += 4) {  // up to 4 heads at a time, their sums in registers
       const float* p = &scores[g0 * padded + b * block_size];
       float* a = &acc[g0 * head_dim];
       switch (std::min<int64_t>(4, group - g0)) {
-        case 1: accumulate_values<1>(values, n, head_dim, p, padded, a); break;
-        case 2: accumulate_values<2>(values, n, head_dim, p, padded, a); break;
-        case 3: accumulate_values<3>(values, n, head_dim, p, padded, a); break;
-        default: accumulate_values<4>(values, n, head_dim, p, padded, a); break;
+        case 1: accumulate_rows<1>(values, n, head_dim, p, padded, a); break;
+        case 2: accumulate_rows<2>(values, n, head_dim, p, padded, a); break;
+        case 3: accumulate_rows<3>(values, n, head_dim, p, padded, a); break;
+        default: accumulate_rows<4>(values, n, head_dim, p, padded, a); break;
       }
     }
   }
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv_sums[g]);
+    for (int64_t c = 0; c < head_dim; c += 16)
+      store16(out + g * head_dim + c, _mm512_mul_ps(_mm512_loadu_ps(&acc[g * head_dim + c]), _mm512_set1_ps(inv_sums[g])));
 }
 #endif
 
