@@ -220,6 +220,51 @@ void score_rows_tiles(const c10::BFloat16* q, int64_t head_dim, const c10::BFloa
 }
 #endif
 
+// Online softmax over one block of 32 keys for `rows` query rows: s (raw scores, 32 a row) becomes
+// the block's numerators e^(scale s - max) (zero where masked), row_max the running max, alpha
+// the factor that rescales a row's earlier sums and outputs, row_sums (16 lanes a row) the
+// running denominators. Row r sees the keys at positions <= row_pos[r]. In three passes over the
+// rows rather than one: each row alone is a chain of dependent steps (the max, then the
+// exponentials, then the sums), and the passes let the core overlap many rows' chains; the
+// rescale factors take one vector exponential per 16 rows.
+inline void online_softmax(float* s, int64_t rows, const int64_t* row_pos, int64_t block, float score_scale,
+                           float* row_max, float* new_max, float* alpha, float* row_sums) {
+  const __m512 vscale = _mm512_set1_ps(score_scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  auto masks = [&](int64_t r, __mmask16& m0, __mmask16& m1) {
+    const int64_t valid = std::clamp<int64_t>(row_pos[r] - block * kKeys + 1, 0, kKeys);
+    m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+    m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+  };
+  for (int64_t r = 0; r < rows; ++r) {  // scaled scores and the new running max
+    float* sr = s + r * kKeys;
+    __mmask16 m0, m1;
+    masks(r, m0, m1);
+    const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale), s1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
+    _mm512_storeu_ps(sr, s0);
+    _mm512_storeu_ps(sr + 16, s1);
+    new_max[r] = std::max(row_max[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(neg_inf, m0, s0),
+                                                                         _mm512_mask_mov_ps(neg_inf, m1, s1))));
+  }
+  for (int64_t r = 0; r < rows; r += 16) {  // alpha = e^(old max - new max); 0 before any key (sums are 0 then)
+    const __m512 old_max = _mm512_loadu_ps(row_max + r), max = _mm512_loadu_ps(new_max + r);
+    const __mmask16 seen = _mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_OQ);
+    _mm512_storeu_ps(alpha + r, _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(old_max, max))));
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // numerators and running sums
+    float* sr = s + r * kKeys;
+    __mmask16 m0, m1;
+    masks(r, m0, m1);
+    const __m512 vmax = _mm512_set1_ps(new_max[r]);
+    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr), vmax)));
+    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + 16), vmax)));
+    _mm512_storeu_ps(sr, p0);
+    _mm512_storeu_ps(sr + 16, p1);
+    float* sum = row_sums + r * 16;
+    _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1)));
+    row_max[r] = new_max[r];
+  }
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
          const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens, float scale,
@@ -291,7 +336,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t rows_max = tile_tokens * group;
     std::vector<float> qf(rows_max * head_dim), o(rows_max * head_dim), s(rows_max * kKeys);
     // row sums kept as 16 lanes per row, added up once at the end (no horizontal sum per block)
-    std::vector<float> row_max(rows_max), row_sums(rows_max * 16), alpha(rows_max);
+    // (+ 16: online_softmax reads and writes whole 16-row vectors of the per-row values)
+    std::vector<float> row_max(rows_max + 16), new_max(rows_max + 16), row_sums(rows_max * 16), alpha(rows_max + 16);
     std::vector<int64_t> row_pos(rows_max);
     std::vector<T> qb(use_amx ? rows_max * head_dim : 0);  // the tile's query rows, unscaled, for the tiles
     std::vector<c10::BFloat16> pb(use_amx ? rows_max * kKeys : 0);  // and its probabilities
@@ -329,32 +375,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           }
 #endif
           if (!use_amx) score_rows<kScoreRows>(qf.data(), head_dim, packed_at(packed_k, tile.kv_head, c, b), s.data(), rows);
-          for (int64_t r = 0; r < rows; ++r) {  // online softmax: the row's running max and sum
-            float* sr = &s[r * kKeys];
-            const int64_t valid = std::clamp<int64_t>(row_pos[r] - b * kKeys + 1, 0, kKeys);
-            if (valid == 0) {  // every key of the block is after this row: nothing changes
-              std::fill(sr, sr + kKeys, 0.f);
-              alpha[r] = 1.f;
-              continue;
-            }
-            const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-            const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
-            const __m512 vscale = _mm512_set1_ps(score_scale);
-            const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sr), vscale), s1 = _mm512_mul_ps(_mm512_loadu_ps(sr + 16), vscale);
-            const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-            const float block_max = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_mask_mov_ps(neg_inf, m0, s0), _mm512_mask_mov_ps(neg_inf, m1, s1)));
-            const float new_max = std::max(row_max[r], block_max);
-            const __m512 vmax = _mm512_set1_ps(new_max);
-            const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_nonpositive(_mm512_sub_ps(s0, vmax)));
-            const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_nonpositive(_mm512_sub_ps(s1, vmax)));
-            _mm512_storeu_ps(sr, p0);
-            _mm512_storeu_ps(sr + 16, p1);
-            alpha[r] = row_max[r] == -INFINITY ? 0.f : std::exp(row_max[r] - new_max);
-            float* sum = &row_sums[r * 16];
-            _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1)));
-            row_max[r] = new_max;
-          }
+          online_softmax(s.data(), rows, row_pos.data(), b, score_scale, row_max.data(), new_max.data(),
+                         alpha.data(), row_sums.data());
 #if defined(SHARDSERVE_AMX)
           if (use_amx) {
             accumulate_tiles(s.data(), packed_vp.data() + block_index(tile.kv_head, c, b) * block_floats,
