@@ -47,6 +47,7 @@ from shardserve.dtypes import dtype_bytes_of, kv_bytes_of
 from shardserve.param_counts import (
     attention_params, dense_mlp_params, expert_params, o_params, qkv_params, router_params,
 )
+from shardserve.planner.batch_load import BatchLoad, BatchSummary, batch_load, busiest_group_load, num_attended_pairs
 from shardserve.planner.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.expert_load import busiest_rank_rows
@@ -130,16 +131,6 @@ class LayerFlops:
         return self.gemm_flops + self.attention_flops
 
 
-def num_attended_pairs(num_tokens: int, context_len: int) -> int:
-    """(query, key) pairs of a causal chunk: `num_tokens` new tokens ending a context of
-    `context_len` tokens (new ones included). Token i of the chunk sees context_len - num_tokens + i
-    keys: pairs = T * (C - T) + T * (T + 1) / 2. Decode (T = 1) gives C; a whole prompt
-    (T = C) gives T(T+1)/2, the causal half of the square."""
-    if num_tokens < 0 or context_len < num_tokens:
-        raise ConfigError(f"need 0 <= num_tokens ({num_tokens}) <= context_len ({context_len})")
-    return num_tokens * (context_len - num_tokens) + num_tokens * (num_tokens + 1) // 2
-
-
 def attention_flops_per_pair(model: ModelConfig, decode: bool = False) -> int:
     """FLOPs of one (query, key) pair in one layer over all heads: 2 per multiply-add of QK^T
     over the key width and of PV over the value width. Per-head K and V: 4 heads d. MLA prefill
@@ -179,79 +170,6 @@ def fraction_of_experts_hit(model: ModelConfig, num_tokens: float) -> float:
     if not model.is_moe:
         return 0.0
     return 1.0 - (1.0 - model.num_experts_per_token / model.num_experts) ** num_tokens
-
-
-@dataclass(frozen=True)
-class BatchSummary:
-    """A step's batch in aggregate: one prompt chunk of `num_prefill_tokens` ending a context of
-    `prefill_context_len` tokens, plus `num_decode_seqs` decodes at `decode_context_len` each.
-    The planner passes steady-state means here, so the decode fields may be fractional."""
-
-    num_prefill_tokens: int = 0
-    prefill_context_len: int = 0
-    num_decode_seqs: float = 0
-    decode_context_len: float = 0
-
-
-@dataclass(frozen=True)
-class _BatchLoad:
-    num_tokens: float  # new tokens through the GEMMs
-    num_pairs: float  # attended (query, key) pairs
-    num_decode_pairs: float  # the part of num_pairs from one-token chunks (decodes)
-    num_context_tokens: float  # KV entries read
-    num_seqs: float  # rows that reach the LM head
-
-    def split(self, num_parts: int) -> "_BatchLoad":
-        return _BatchLoad(self.num_tokens / num_parts, self.num_pairs / num_parts, self.num_decode_pairs / num_parts,
-                          self.num_context_tokens / num_parts, self.num_seqs / num_parts)
-
-
-def _chunks_load(chunks: Sequence[tuple[int, int]]) -> _BatchLoad:
-    return _BatchLoad(
-        num_tokens=sum(t for t, _ in chunks),
-        num_pairs=sum(num_attended_pairs(t, c) for t, c in chunks),
-        num_decode_pairs=sum(c for t, c in chunks if t == 1),
-        num_context_tokens=sum(c for _, c in chunks),
-        num_seqs=len(chunks),
-    )
-
-
-def busiest_group_load(batch: Sequence[tuple[int, int]] | BatchSummary, num_groups: int) -> _BatchLoad:
-    """What the most loaded of `num_groups` data-parallel attention groups holds. A sequence
-    lives on one group (its KV is there), so a prompt chunk is never split: the engine balances
-    whole sequences, here greedily by new tokens (largest first onto the lightest group). Every
-    group waits for the others at each MoE layer, so this group sets the step's attention time.
-    A BatchSummary's one prompt chunk sits on one group with that group's share of the decodes."""
-    if num_groups <= 1:
-        return _batch_load(batch)
-    if isinstance(batch, BatchSummary):
-        b = batch
-        chunk = BatchSummary(b.num_prefill_tokens, b.prefill_context_len, b.num_decode_seqs / num_groups,
-                             b.decode_context_len)
-        return _batch_load(chunk)
-    groups: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
-    tokens = [0] * num_groups
-    for chunk in sorted(batch, key=lambda tc: (tc[0], tc[1]), reverse=True):
-        lightest = min(range(num_groups), key=lambda g: (tokens[g], len(groups[g])))
-        groups[lightest].append(chunk)
-        tokens[lightest] += chunk[0]
-    loads = [_chunks_load(g) for g in groups]
-    return max(loads, key=lambda load: (load.num_tokens, load.num_context_tokens, load.num_seqs))
-
-
-def _batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> _BatchLoad:
-    if isinstance(batch, BatchSummary):
-        b = batch
-        prefill_seqs = 1 if b.num_prefill_tokens else 0
-        prefill_pairs = num_attended_pairs(b.num_prefill_tokens, b.prefill_context_len) if prefill_seqs else 0
-        return _BatchLoad(
-            num_tokens=b.num_prefill_tokens + b.num_decode_seqs,
-            num_pairs=prefill_pairs + b.num_decode_seqs * b.decode_context_len,
-            num_decode_pairs=b.num_decode_seqs * b.decode_context_len,
-            num_context_tokens=prefill_seqs * b.prefill_context_len + b.num_decode_seqs * b.decode_context_len,
-            num_seqs=prefill_seqs + b.num_decode_seqs,
-        )
-    return _chunks_load(batch)
 
 
 @dataclass(frozen=True)
@@ -322,7 +240,7 @@ def _group_link(dep: Deployment, group_size: int) -> tuple[float, float]:
     return _link(dep, group_size > dep.hardware.devices_per_node)
 
 
-def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad, local: _BatchLoad) -> float:
+def _stage_comm_s(dep: Deployment, stage: StagePlan, index: int, load: BatchLoad, local: BatchLoad) -> float:
     """`load`: the whole step's; `local`: what the busiest attention group holds (= load without
     dp_attention)."""
     model, par = dep.model, dep.parallel
@@ -365,7 +283,7 @@ class _StageWork:
     decode_attention_flops: float  # the part of attention_flops from decode tokens
 
 
-def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad, local: _BatchLoad) -> _StageWork:
+def _stage_work(dep: Deployment, stage: StagePlan, load: BatchLoad, local: BatchLoad) -> _StageWork:
     """`load`: the whole step's (what the experts see); `local`: the busiest attention group's,
     what attention and dense MLPs see (= load without dp_attention)."""
     model, par = dep.model, dep.parallel
@@ -398,7 +316,7 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: _BatchLoad, local: _Bat
                       local.num_context_tokens * kv_token_bytes, decode_attention_flops)
 
 
-def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: _BatchLoad, local: _BatchLoad) -> _StageParts:
+def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: BatchLoad, local: BatchLoad) -> _StageParts:
     eff, work, hw = dep.efficiency, _stage_work(dep, stage, load, local), dep.hardware
     peak_flop_s, attention_peak_flop_s = hw.peak_flop_s_for(dep.dtype), hw.peak_flop_s_for(dep.attention_dtype)
     prefill_attention_flops = work.attention_flops - work.decode_attention_flops
@@ -434,7 +352,7 @@ class StepWork:
 
 def step_work(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepWork:
     """FLOPs and bytes of one step of `batch` (as `step_time` takes it) on a device of each stage."""
-    load, local = _batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
+    load, local = batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
     works = [_stage_work(dep, stage, load, local) for stage in dep.stages]
     return StepWork(*(sum(getattr(w, name) for w in works)
                       for name in ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes")))
@@ -450,7 +368,7 @@ def _num_micro_batches(par: ParallelConfig, num_seqs: float) -> int:
 def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepTime:
     """Time one step of `batch`: (num_new_tokens, context_len) per sequence, or a BatchSummary.
     See the module docstring for the rule."""
-    load, local = _batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
+    load, local = batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
     num_micro = _num_micro_batches(dep.parallel, load.num_seqs)
     micro, local_micro = load.split(num_micro), local.split(num_micro)
     parts = [_stage_parts(dep, stage, i, micro, local_micro) for i, stage in enumerate(dep.stages)]

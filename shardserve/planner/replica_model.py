@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 from shardserve.bench.stats import SLO
 from shardserve.config import ConfigError
-from shardserve.planner.cost_model import BatchSummary, Deployment, decode_step_time, prefill_time, step_time
+from shardserve.planner.batch_load import BatchSummary
+from shardserve.planner.cost_model import Deployment, decode_step_time, prefill_time, step_time
 
 _MAX_ITERATIONS = 200
 

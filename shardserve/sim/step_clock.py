@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 
-from shardserve.planner.cost_model import BatchSummary, Deployment, step_time
+from shardserve.planner.batch_load import BatchSummary
+from shardserve.planner.cost_model import Deployment, step_time
 
 _REL_TOL = 1e-9
 

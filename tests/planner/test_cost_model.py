@@ -13,9 +13,10 @@ from shardserve.planner.collectives import (
     all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s,
 )
 from shardserve.param_counts import kv_values_per_token, o_params, qkv_params
+from shardserve.planner.batch_load import BatchSummary, num_attended_pairs
 from shardserve.planner.cost_model import (
-    BatchSummary, Deployment, attention_flops_per_pair, decode_step_time, fraction_of_experts_hit, layer_flops,
-    num_attended_pairs, prefill_time, step_time, step_work,
+    Deployment, attention_flops_per_pair, decode_step_time, fraction_of_experts_hit, layer_flops, prefill_time,
+    step_time, step_work,
 )
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import get_hardware
