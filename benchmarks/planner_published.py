@@ -202,14 +202,12 @@ def trtllm_bench_limits(dep: Deployment, isl: int, osl: int) -> tuple[int, int]:
     requests = max(0.0, free_gib * 0.95 / (token_gib * (isl + osl)))
     raw_bs = min(requests, 4096) / par.pp_size
     raw_tokens = min(raw_bs * (1 + isl / osl), 32768)
-    if raw_bs < 256:
-        batch = max(64, 32 * math.ceil(raw_bs / 32))
-    else:
-        batch = (128 if raw_bs < 1024 else 256) * math.ceil(raw_bs / (128 if raw_bs < 1024 else 256))
-    if raw_tokens < 4096:
-        tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
-    else:
-        tokens = (512 if raw_tokens < 8192 else 1024) * math.ceil(raw_tokens / (512 if raw_tokens < 8192 else 1024))
+    def round_up(x: float, step: int) -> int:
+        return step * math.ceil(x / step)
+
+    batch = max(64, round_up(raw_bs, 32)) if raw_bs < 256 else round_up(raw_bs, 128 if raw_bs < 1024 else 256)
+    tokens = (max(2048, round_up(raw_tokens, 256)) if raw_tokens < 4096
+              else round_up(raw_tokens, 512 if raw_tokens < 8192 else 1024))
     return batch, tokens
 
 

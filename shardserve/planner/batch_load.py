@@ -61,8 +61,6 @@ def busiest_group_load(batch: Sequence[tuple[int, int]] | BatchSummary, num_grou
     whole sequences, here greedily by new tokens (largest first onto the lightest group). Every
     group waits for the others at each MoE layer, so this group sets the step's attention time.
     A BatchSummary's one prompt chunk sits on one group with that group's share of the decodes."""
-    if num_groups <= 1:
-        return batch_load(batch)
     if isinstance(batch, BatchSummary):
         b = batch
         chunk = BatchSummary(b.num_prefill_tokens, b.prefill_context_len, b.num_decode_seqs / num_groups,
@@ -91,3 +89,10 @@ def batch_load(batch: Sequence[tuple[int, int]] | BatchSummary) -> BatchLoad:
             num_seqs=prefill_seqs + b.num_decode_seqs,
         )
     return chunks_load(batch)
+
+
+def step_loads(batch: Sequence[tuple[int, int]] | BatchSummary, num_groups: int) -> tuple[BatchLoad, BatchLoad]:
+    """(the whole step's load, the busiest of `num_groups` attention groups' load); one and the
+    same without data-parallel attention."""
+    whole = batch_load(batch)
+    return whole, (whole if num_groups <= 1 else busiest_group_load(batch, num_groups))

@@ -47,7 +47,7 @@ from shardserve.dtypes import dtype_bytes_of, kv_bytes_of
 from shardserve.param_counts import (
     attention_params, dense_mlp_params, expert_params, o_params, qkv_params, router_params,
 )
-from shardserve.planner.batch_load import BatchLoad, BatchSummary, batch_load, busiest_group_load, num_attended_pairs
+from shardserve.planner.batch_load import BatchLoad, BatchSummary, num_attended_pairs, step_loads
 from shardserve.planner.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
 from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.expert_load import busiest_rank_rows
@@ -352,7 +352,7 @@ class StepWork:
 
 def step_work(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepWork:
     """FLOPs and bytes of one step of `batch` (as `step_time` takes it) on a device of each stage."""
-    load, local = batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
+    load, local = step_loads(batch, dep.parallel.attention_groups)
     works = [_stage_work(dep, stage, load, local) for stage in dep.stages]
     return StepWork(*(sum(getattr(w, name) for w in works)
                       for name in ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes")))
@@ -368,7 +368,7 @@ def _num_micro_batches(par: ParallelConfig, num_seqs: float) -> int:
 def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) -> StepTime:
     """Time one step of `batch`: (num_new_tokens, context_len) per sequence, or a BatchSummary.
     See the module docstring for the rule."""
-    load, local = batch_load(batch), busiest_group_load(batch, dep.parallel.attention_groups)
+    load, local = step_loads(batch, dep.parallel.attention_groups)
     num_micro = _num_micro_batches(dep.parallel, load.num_seqs)
     micro, local_micro = load.split(num_micro), local.split(num_micro)
     parts = [_stage_parts(dep, stage, i, micro, local_micro) for i, stage in enumerate(dep.stages)]
