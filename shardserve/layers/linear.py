@@ -36,11 +36,15 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class PackedWeight:
-    """A weight [out, in] repacked for one CPU matmul kernel; `linear(x, bias)` is x W^T (+ b)."""
+    """A weight [out, in] repacked for one CPU matmul kernel; `linear(x, bias)` is x W^T (+ b).
+    With the panel kernel's fused epilogues (`fused`), also `linear_float` (the same values in
+    float32, in the matmul's own pass) and, for a [gate; up] weight, `silu_mul` (SwiGLU of the
+    two halves in the same pass: the bits of linear then silu_and_mul)."""
 
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]
         self.panel_kernel = load_panel_linear(weight.dtype)
+        self.fused = self.panel_kernel is not None and self.panel_kernel.epilogues()
         if self.panel_kernel is not None:
             self.data = self.panel_kernel.pack(weight.detach().contiguous())
             self.panel_linear = self.panel_kernel.linear.default  # the overload itself: no lookup per call
@@ -54,6 +58,21 @@ class PackedWeight:
             return self.panel_linear(x, self.data, bias, self.out_features)
         y = self.panel_linear(x.reshape(-1, x.shape[-1]), self.data, bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def linear_float(self, x: torch.Tensor) -> torch.Tensor:
+        """linear(x, None).float() for x [N, in]."""
+        if not self.fused:
+            return self.linear(x, None).float()
+        return self.panel_kernel.linear_float.default(x, self.data, None, self.out_features)
+
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """Whether silu_mul runs fused: the kernel has the epilogue and each half is whole panels."""
+        return self.fused and self.out_features % 64 == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(linear(x, None)) for x [N, in] and a fused [gate; up] weight (fuses_silu_mul)."""
+        return self.panel_kernel.linear_silu_mul.default(x, self.data, self.out_features // 2)
 
 
 def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:

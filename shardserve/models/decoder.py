@@ -66,6 +66,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.gate_up_proj.packed
+        if packed is not None and packed.fuses_silu_mul and x.dim() == 2:
+            return self.down_proj(packed.silu_mul(x))  # the same bits, one pass fewer
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 

@@ -75,5 +75,8 @@ class FlatLayers:
             qkv = layer.qkv.linear(h, layer.qkv_bias).view(num_tokens, -1, self.head_dim)
             out = attention.forward(qkv, cos_sin, kv_cache, meta, self.num_heads, self.scale)
             h = norm(x, layer.o.linear(out.reshape(num_tokens, -1), None), layer.post_attention_norm, eps)
-            delta = layer.down.linear(silu(layer.gate_up.linear(h, None)), None)
+            if layer.gate_up.fuses_silu_mul:
+                delta = layer.down.linear(layer.gate_up.silu_mul(h), None)
+            else:
+                delta = layer.down.linear(silu(layer.gate_up.linear(h, None)), None)
         return x, delta

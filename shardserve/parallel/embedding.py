@@ -59,7 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         if self.packed is not None:
-            local = self.packed.linear(hidden, None)  # [N, V']
+            local = self.packed.linear_float(hidden)  # [N, V'], widened in the matmul's own pass
         else:
-            local = F.linear(hidden, self.weight)
-        return all_gather(local.float(), self.tp, dim=-1)[:, : self.vocab_size]
+            local = F.linear(hidden, self.weight).float()
+        return all_gather(local, self.tp, dim=-1)[:, : self.vocab_size]

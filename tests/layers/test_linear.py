@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.cpu_kernels import load_panel_linear
 from shardserve.layers.linear import Linear, prepack_weight
 
@@ -51,6 +52,33 @@ def test_panel_kernel_row_does_not_depend_on_the_batch(dtype):
     together = packed.linear(batch, None)
     for row in (0, 12, 47, 48, 100, 129):
         assert torch.equal(packed.linear(batch[row : row + 1], None), together[row : row + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 13, 33, 130])
+def test_fused_epilogues_give_the_bits_of_the_separate_ops(dtype, rows):
+    """silu_mul: SwiGLU in the matmul's last pass; linear_float: the logits head's widening. Rows
+    past a register block, a tile block (32) and a thread's chunk (96 or 128)."""
+    packed = prepack_weight(torch.randn(2 * 64, 100, dtype=dtype) * 0.3)
+    head = prepack_weight(torch.randn(50, 100, dtype=dtype))  # N not whole panels
+    if not packed.fused:
+        pytest.skip("this build has no fused epilogues (AVX2)")
+    torch.manual_seed(4)
+    x = torch.randn(rows, 100, dtype=dtype) * 2
+    assert packed.fuses_silu_mul
+    fused = packed.silu_mul(x)
+    assert fused.dtype == dtype and torch.equal(fused, silu_and_mul(packed.linear(x, None)))
+    logits = head.linear_float(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, head.linear(x, None).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_refused_for_halves_that_are_not_whole_panels(dtype):
+    packed = prepack_weight(torch.randn(2 * 40, 64, dtype=dtype))
+    assert not packed.fuses_silu_mul
+    if packed.fused:
+        with pytest.raises(RuntimeError, match="whole panels"):
+            packed.silu_mul(torch.randn(3, 64, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

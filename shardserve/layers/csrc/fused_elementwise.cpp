@@ -140,19 +140,7 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t d) {
       T* o = out + r * d;
       int64_t i = 0;
 #if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= d; i += 16) {
-        const __m512 x = load16(gate + i);
-        const __m512 neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
-        const __m512 e = exp_nonpositive(neg_abs);
-        // 1 / (1 + e) as the reciprocal estimate (14 bits) and one Newton step (about 2^-27
-        // relative): a division per 16 lanes took a third of the op
-        const __m512 den = _mm512_add_ps(one, e), r0 = _mm512_rcp14_ps(den);
-        const __m512 inv = _mm512_fmadd_ps(r0, _mm512_fnmadd_ps(den, r0, one), r0);
-        const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, inv);
-        const __m512 silu = as_stored(T(), _mm512_mul_ps(x, sigmoid));
-        store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
-      }
+      for (; i + 16 <= d; i += 16) store16(o + i, silu_mul16<T>(load16(gate + i), load16(up + i)));
 #elif defined(__AVX2__) && defined(__FMA__)
       const __m256 one = _mm256_set1_ps(1.f);
       for (; i + 8 <= d; i += 8) {

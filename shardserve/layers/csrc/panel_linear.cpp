@@ -30,6 +30,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include "vector_math.h"
+#endif
 #include "amx_panel.h"
 
 namespace {
@@ -160,6 +163,42 @@ inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, 
 }
 #endif
 
+// What a call computes from its output panels and how it writes them:
+//   kStore       y [M, n] = x W^T (+ bias), in x's dtype;
+//   kStoreFloat  the same values widened to float32 (a logits head: no conversion pass after);
+//   kSiluMul     W = [gate | up] (2n rows, n a multiple of 32): y [M, n] = silu(gate) * up, the
+//                SwiGLU of the two halves in the matmul's last pass over its output, the same
+//                bits as linear() then silu_mul (each half rounded to x's dtype first, as stored).
+// A panel's output block goes straight to y (kStore) or through a block of x's dtype in L1.
+enum class Epilogue { kStore, kStoreFloat, kSiluMul };
+
+constexpr int64_t sources(Epilogue e) { return e == Epilogue::kSiluMul ? 2 : 1; }
+
+#if defined(__AVX512F__)
+// Writes one output block from its source blocks (rows x 32, 32 apart, in T): see Epilogue.
+template <Epilogue E, typename T>
+inline void finish_block(const T* const* parts, int64_t rows, int64_t cols, void* y, int64_t ldy) {
+  static_assert(E != Epilogue::kStore, "kStore blocks are written in place");
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < 32; c += 16) {
+      const __m512 a = load16(parts[0] + r * 32 + c);
+      if constexpr (E == Epilogue::kStoreFloat) {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * ldy + c, c ? m1 : m0, a);
+      } else {  // kSiluMul: whole panels, no mask
+        store16(static_cast<T*>(y) + r * ldy + c, silu_mul16<T>(a, load16(parts[1] + r * 32 + c)));
+      }
+    }
+  }
+}
+#endif
+
+// The output and its element size for an epilogue
+inline at::Tensor output_for(Epilogue e, const at::Tensor& x, int64_t n) {
+  return at::empty({x.size(0), n}, e == Epilogue::kStoreFloat ? x.options().dtype(at::kFloat) : x.options());
+}
+
 #if defined(SHARDSERVE_PANEL_KERNEL)
 template <typename T>
 using PanelRowsFn = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, int64_t, const T*);
@@ -169,28 +208,42 @@ constexpr std::array<PanelRowsFn<T>, sizeof...(Rs)> make_table(std::integer_sequ
   return {&panel_rows<T, Rs + 1>...};
 }
 
-template <typename T>
+// Output panels split over threads; for each chunk of rows a thread runs its panels in order, each
+// panel's source panels (one, or gate then up) in turn, and prefetches the next source panel.
+template <typename T, Epilogue E>
 at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   static constexpr auto kTable = make_table<T>(std::make_integer_sequence<int, kMaxRows>{});
+  constexpr int64_t S = sources(E);
   const int64_t m = x.size(0), ksteps = packed.size(1), kw = packed.size(3);
-  auto y = at::empty({m, n}, x.options());
+  auto y = output_for(E, x, n);
   const T* xd = x.data_ptr<T>();
   const T* wd = packed.data_ptr<T>();
-  T* yd = y.data_ptr<T>();
-  const int64_t ldx = x.size(1), panel_elems = ksteps * kw * kPanel;
+  char* yd = static_cast<char*>(y.data_ptr());
+  const int64_t ldx = x.size(1), panel_elems = ksteps * kw * kPanel, y_elem = y.element_size();
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
-  at::parallel_for(0, num_panels, panel_grain(m, ksteps * kw), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_panels, panel_grain(m, S * ksteps * kw), [&](int64_t begin, int64_t end) {
+    alignas(64) T scratch[S][kMaxRows * kPanel];
     for (int64_t chunk = 0; chunk < m; chunk += kRowChunk) {
       const int64_t chunk_end = std::min(m, chunk + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
-        const T* w = wd + panel * panel_elems;
-        const T* next = panel + 1 < end ? w + panel_elems : nullptr;
         const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
         for (int64_t row = chunk; row < chunk_end; row += kMaxRows) {
           const int64_t rows = std::min(kMaxRows, chunk_end - row);
-          // the first row block pulls the panel into L1 and prefetches the next one
-          kTable[rows - 1](xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n,
-                           cols, row == chunk ? next : nullptr);
+          for (int64_t s = 0; s < S; ++s) {
+            const T* w = wd + (panel + s * num_panels) * panel_elems;
+            // the first row block pulls the panel into L1 and prefetches the next one
+            const T* next = s + 1 < S ? wd + (panel + (s + 1) * num_panels) * panel_elems
+                            : panel + 1 < end ? wd + (panel + 1) * panel_elems : nullptr;
+            T* out = E == Epilogue::kStore ? reinterpret_cast<T*>(yd + (row * n + col) * y_elem) : scratch[s];
+            kTable[rows - 1](xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, out,
+                             E == Epilogue::kStore ? n : kPanel, cols, row == chunk ? next : nullptr);
+          }
+#if defined(__AVX512F__)
+          if constexpr (E != Epilogue::kStore) {
+            const T* parts[2] = {scratch[0], scratch[S - 1]};
+            finish_block<E, T>(parts, rows, cols, yd + (row * n + col) * y_elem, n);
+          }
+#endif
         }
       }
     }
@@ -204,15 +257,19 @@ constexpr int64_t kAmxRowChunk = 4 * amx::kBlockRows;
 
 // The same loops as run_linear with a block of 32 rows on tiles; each thread configures its own
 // tiles (the tile state is per thread) and releases them when its share is done.
+template <Epilogue E>
 at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
   using T = c10::BFloat16;
+  constexpr int64_t S = sources(E);
   const int64_t m = x.size(0), k = packed.size(1) * 2, ksteps = k / amx::kStepK;
-  auto y = at::empty({m, n}, x.options());
+  auto y = output_for(E, x, n);
   const T* xd = x.data_ptr<T>();
   const T* wd = packed.data_ptr<T>();
-  T* yd = y.data_ptr<T>();
-  const int64_t ldx = x.size(1), panel_elems = k * kPanel, num_panels = packed.size(0);
-  at::parallel_for(0, num_panels, panel_grain(m, k), [&](int64_t begin, int64_t end) {
+  char* yd = static_cast<char*>(y.data_ptr());
+  const int64_t ldx = x.size(1), panel_elems = k * kPanel, y_elem = y.element_size();
+  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, num_panels, panel_grain(m, S * k), [&](int64_t begin, int64_t end) {
+    alignas(64) T scratch[S][kAmxRowChunk * kPanel];  // a chunk's source blocks (unused by kStore)
     int64_t configured = 0;  // the block height the tiles are shaped for
     for (int64_t chunk = 0; chunk < m; chunk += kAmxRowChunk) {
       const int64_t chunk_end = std::min(m, chunk + kAmxRowChunk);
@@ -220,15 +277,29 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
       const int64_t num_blocks = (chunk_end - chunk + amx::kBlockRows - 1) / amx::kBlockRows;
       const int64_t lines_per_step = (32 + num_blocks - 1) / num_blocks;
       for (int64_t panel = begin; panel < end; ++panel) {
-        const T* w = wd + panel * panel_elems;
-        const char* next = panel + 1 < end ? reinterpret_cast<const char*>(w + panel_elems) : nullptr;
         const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
-        for (int64_t row = chunk, i = 0; row < chunk_end; row += amx::kBlockRows, ++i) {
-          const int64_t rows = std::min(amx::kBlockRows, chunk_end - row);
-          const amx::Prefetch prefetch{next ? next + i * lines_per_step * ksteps * 64 : nullptr,
-                                       next ? std::min(lines_per_step, 32 - i * lines_per_step) : 0};
-          amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, yd + row * n + col, n, rows, cols,
-                     configured, prefetch);
+        for (int64_t s = 0; s < S; ++s) {
+          const T* w = wd + (panel + s * num_panels) * panel_elems;
+          const T* next_panel = s + 1 < S ? wd + (panel + (s + 1) * num_panels) * panel_elems
+                                : panel + 1 < end ? wd + (panel + 1) * panel_elems : nullptr;
+          const char* next = reinterpret_cast<const char*>(next_panel);
+          for (int64_t row = chunk, i = 0; row < chunk_end; row += amx::kBlockRows, ++i) {
+            const int64_t rows = std::min(amx::kBlockRows, chunk_end - row);
+            const amx::Prefetch prefetch{next ? next + i * lines_per_step * ksteps * 64 : nullptr,
+                                         next ? std::min(lines_per_step, 32 - i * lines_per_step) : 0};
+            if constexpr (E == Epilogue::kStore) {
+              amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr,
+                         reinterpret_cast<T*>(yd + (row * n + col) * y_elem), n, rows, cols, configured, prefetch);
+            } else {  // each row block keeps its sources' blocks until its last source is done
+              const int64_t at = (row - chunk) * kPanel;
+              amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, scratch[s] + at, kPanel, rows,
+                         cols, configured, prefetch);
+              if (s + 1 == S) {
+                const T* parts[2] = {scratch[0] + at, scratch[S - 1] + at};
+                finish_block<E, T>(parts, rows, cols, yd + (row * n + col) * y_elem, n);
+              }
+            }
+          }
         }
       }
     }
@@ -271,15 +342,32 @@ at::Tensor pack(at::Tensor weight) {
   return padded.view({n_pad / kPanel, kPanel, k_pad / kw, kw}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x [M, K], packed from pack() (same dtype), bias [N] or None -> y [M, N].
-at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n) {
+template <Epilogue E>
+at::Tensor dispatch(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n) {
+#if defined(SHARDSERVE_PANEL_KERNEL)
+  if (x.scalar_type() == at::kFloat)  // float32 is its own float32 form
+    return run_linear<float, E == Epilogue::kStoreFloat ? Epilogue::kStore : E>(x, packed, bias, n);
+#endif
+#if defined(SHARDSERVE_AMX)
+  if (amx::permitted()) return run_linear_amx<E>(x, packed, bias, n);
+#endif
+#if defined(__AVX512BF16__)
+  return run_linear<c10::BFloat16, E>(x, packed, bias, n);
+#endif
+  TORCH_CHECK(false, "linear: this build has no kernel for this dtype");
+}
+
+// x [M, K] (the packed weight's dtype, any K padding added here) and the bias as float32 sums
+// padded to whole panels, so the last panel's bias load stays in bounds
+at::Tensor run(at::Tensor x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
+               Epilogue e) {
   TORCH_CHECK(x.dim() == 2 && supported(x.scalar_type()) && packed.scalar_type() == x.scalar_type(),
               "linear: x must be 2-D, of the packed weight's dtype");
   const int64_t k_pad = padded_k(x.scalar_type(), x.size(1));
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanel && packed.size(1) * packed.size(3) == k_pad,
               "linear: packed weight does not match x");
-  TORCH_CHECK(packed.size(0) * kPanel >= n, "linear: packed weight has fewer than n rows");
-  at::Tensor bias32;  // padded to whole panels, so the last panel's bias load stays in bounds
+  TORCH_CHECK(packed.size(0) * kPanel >= sources(e) * n, "linear: packed weight has fewer than n rows");
+  at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     bias32 = at::zeros({packed.size(0) * kPanel}, x.options().dtype(at::kFloat));
     bias32.narrow(0, 0, n).copy_(*bias);
@@ -287,16 +375,39 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   x = x.contiguous();
   if (x.size(1) != k_pad) x = at::constant_pad_nd(x, {0, k_pad - x.size(1)});  // meets zero weights
-#if defined(SHARDSERVE_PANEL_KERNEL)
-  if (x.scalar_type() == at::kFloat) return run_linear<float>(x, packed, b, n);
+  switch (e) {
+    case Epilogue::kStore: return dispatch<Epilogue::kStore>(x, packed, b, n);
+    case Epilogue::kStoreFloat: return dispatch<Epilogue::kStoreFloat>(x, packed, b, n);
+    default: return dispatch<Epilogue::kSiluMul>(x, packed, b, n);
+  }
+}
+
+// Whether this build has the fused epilogues (linear_float for bf16, linear_silu_mul).
+bool epilogues() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
 #endif
-#if defined(SHARDSERVE_AMX)
-  if (amx::permitted()) return run_linear_amx(x, packed, b, n);
-#endif
-#if defined(__AVX512BF16__)
-  return run_linear<c10::BFloat16>(x, packed, b, n);
-#endif
-  TORCH_CHECK(false, "linear: this build has no kernel for this dtype");
+}
+
+// x [M, K], packed from pack() (same dtype), bias [N] or None -> y [M, N].
+at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n) {
+  return run(x, packed, bias, n, Epilogue::kStore);
+}
+
+// linear(x, packed, bias, n) widened to float32 in the same pass.
+at::Tensor linear_float(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n) {
+  TORCH_CHECK(epilogues() || x.scalar_type() == at::kFloat, "linear_float: this build has no fused epilogue");
+  return run(x, packed, bias, n, Epilogue::kStoreFloat);
+}
+
+// packed from pack([gate; up]) with n rows each, n a multiple of 32 -> silu(x gate^T) * (x up^T),
+// [M, n], the bits of linear() then silu_mul.
+at::Tensor linear_silu_mul(at::Tensor x, at::Tensor packed, int64_t n) {
+  TORCH_CHECK(epilogues(), "linear_silu_mul: this build has no fused epilogue");
+  TORCH_CHECK(n % kPanel == 0 && packed.size(0) * kPanel == 2 * n, "linear_silu_mul: gate and up must be whole panels");
+  return run(x, packed, c10::nullopt, n, Epilogue::kSiluMul);
 }
 
 // Registered as torch ops (not a pybind module: torch/extension.h alone took 24 s of each
@@ -306,4 +417,7 @@ TORCH_LIBRARY(shardserve_panel_linear, m) {
   m.def("supported(ScalarType dtype) -> bool", &supported);
   m.def("pack(Tensor weight) -> Tensor", &pack);
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &linear);
+  m.def("epilogues() -> bool", &epilogues);
+  m.def("linear_float(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &linear_float);
+  m.def("linear_silu_mul(Tensor x, Tensor packed, int n) -> Tensor", &linear_silu_mul);
 }
