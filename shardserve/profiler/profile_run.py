@@ -81,8 +81,10 @@ def sweep_engine_config(config: EngineConfig, model: ModelConfig, points: list[S
         config.scheduler,
         max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens, max(p.num_step_tokens for p in points)),
         max_num_seqs=max(config.scheduler.max_num_seqs, max(p.num_step_seqs for p in points)))
+    # committed up front: a step that first writes a block of a fresh pool pays its page faults
+    # (a 512-token prefill 1.2x as long), which is the pool's start-up, not the step's cost
     cache = dataclasses.replace(config.cache, kv_cache_memory_bytes=max(config.cache.kv_cache_memory_bytes or 0,
-                                                                        kv_bytes))
+                                                                        kv_bytes), prefault_kv_cache=True)
     return dataclasses.replace(config, scheduler=scheduler, cache=cache,
                                cpu_threads=config.cpu_threads or available_threads())
 
