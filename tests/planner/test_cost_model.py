@@ -199,7 +199,7 @@ def test_decode_bottleneck_switches_from_memory_to_compute():
 
 
 def test_step_time_rule_and_batch_forms_agree():
-    tiny = dep(TINY, par(tp=2), efficiency=Efficiency(step_overhead_s=1e-3))
+    tiny = dep(TINY, par(tp=2), efficiency=Efficiency(step_overhead_s=1e-3, overlap=1.0))  # the classic roofline
     entries = [(16, 48)] + [(1, 100)] * 3
     summary = BatchSummary(num_prefill_tokens=16, prefill_context_len=48, num_decode_seqs=3, decode_context_len=100)
     a, b = step_time(tiny, entries), step_time(tiny, summary)
