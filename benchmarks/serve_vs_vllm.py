@@ -11,8 +11,12 @@ distinct per server and level (no prefix-cache hits):
 vLLM runs with 1 GiB of KV cache (`VLLM_CPU_KVCACHE_SPACE=1`, as ours) and each of its two
 thread bindings (`VLLM_CPU_OMP_THREADS_BIND=0-1`, both cores, and `auto`, one OpenMP thread):
 the first runs every level, the second the deciding one (uniform, highest concurrency) and the
-rest only if it wins there; the faster is the one compared, and named. vLLM runs first, so that
-a vLLM that does not start costs no shardserve measurement.
+rest only if it wins there; the faster is the one compared, and named.
+
+Both servers are up at once (an idle one takes no CPU) and every level runs on one and then the
+other, the order alternating from level to level, so the two figures of a ratio are taken within
+a minute or two of each other: this host's speed drifts by tens of percent within an hour, and
+a run of all of vLLM's levels and then all of ours compared two different machines.
 
 vLLM is installed on first use into its own venv outside the repo (`--vllm-venv`; see
 benchmarks/vllm_reference.py); each vLLM start compiles the model (1-3 minutes), which is not
@@ -42,18 +46,23 @@ WORKLOADS = {"uniform": dict(input_len=128, output_len=128, range_ratio=0.0),
 TAG = "serve_vs_vllm"
 
 
-def run_levels(name: str, url: str, levels, args, salt: int, workloads) -> dict:
-    warm_up(url, salt)
-    results: dict = {}
+def run_paired(servers: dict[str, tuple[str, int]], levels, args, workloads) -> dict:
+    """Every level on each server ({name: (url, prompt salt)}), one right after the other, the
+    order alternating per level; returns {name: {workload: {concurrency: result}}}."""
+    results: dict = {name: {} for name in servers}
+    index = 0
     for workload in workloads:
         shape = WORKLOADS[workload]
-        results[workload] = {}
-        for index, (concurrency, num_requests) in enumerate(levels):
-            output_len = args.output_len if workload == "uniform" else shape["output_len"]
-            config = WorkloadConfig(num_requests=num_requests, seed=index, prompt_salt=salt,
-                                    **dict(shape, output_len=output_len))
-            log(TAG, f"[{name}] {workload} concurrency {concurrency}: {num_requests} requests")
-            results[workload][concurrency] = run_level(url, config, concurrency)
+        output_len = args.output_len if workload == "uniform" else shape["output_len"]
+        for level, (concurrency, num_requests) in enumerate(levels):
+            order = list(servers) if index % 2 == 0 else list(servers)[::-1]
+            index += 1
+            for name in order:
+                url, salt = servers[name]
+                config = WorkloadConfig(num_requests=num_requests, seed=level, prompt_salt=salt,
+                                        **dict(shape, output_len=output_len))
+                log(TAG, f"[{name}] {workload} concurrency {concurrency}: {num_requests} requests")
+                results[name].setdefault(workload, {})[concurrency] = run_level(url, config, concurrency)
     return results
 
 
@@ -75,32 +84,36 @@ def main() -> None:
     python = ensure_vllm(args.vllm_venv)
     folder = hf_folder(args.cache_dir)
 
-    # The first binding runs every level; a second runs the deciding level (uniform, highest
-    # concurrency) and, only if it wins there, the rest as well.
-    top = levels[-1]
-    theirs_by_bind: dict = {}
-    for salt, bind in enumerate(BINDS if args.bind == "both" else (args.bind,), start=2):
-        port = free_port()
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", args.dtype,
-               "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1"]
-        name = f"vllm bind={bind}"
-        with started(TAG, name, cmd, port, env=vllm_env(python, bind)) as url:
-            if not theirs_by_bind:
-                theirs_by_bind[bind] = run_levels(name, url, levels, args, salt, WORKLOADS)
-                continue
-            trial = run_levels(name, url, [top], args, salt, ["uniform"])
-            best = max(r["uniform"][top[0]]["output_tok_s"] for r in theirs_by_bind.values())
-            if trial["uniform"][top[0]]["output_tok_s"] > best:
-                trial = run_levels(name, url, levels, args, salt + 10, WORKLOADS)  # fresh prompts: no cache hits
-            theirs_by_bind[bind] = trial
-    port = free_port()
+    ours_port = free_port()
     ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(folder), "--dtype", args.dtype,
-                "--port", str(port), "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048",
+                "--port", str(ours_port), "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048",
                 "--log-level", "warning"]
-    with started(TAG, "shardserve", ours_cmd, port) as url:
-        ours = run_levels("shardserve", url, levels, args, 1, WORKLOADS)
+    # The first binding runs every level beside ours; a second runs the deciding level (uniform,
+    # highest concurrency) and, only if it wins there, every level beside ours again.
+    top = levels[-1]
+    ours_by_bind: dict = {}
+    theirs_by_bind: dict = {}
+    with started(TAG, "shardserve", ours_cmd, ours_port) as ours_url:
+        warm_up(ours_url, 1)
+        for salt, bind in enumerate(BINDS if args.bind == "both" else (args.bind,), start=2):
+            port = free_port()
+            cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype",
+                   args.dtype, "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1"]
+            name = f"vllm bind={bind}"
+            with started(TAG, name, cmd, port, env=vllm_env(python, bind)) as url:
+                warm_up(url, salt)
+                if theirs_by_bind:
+                    trial = run_paired({name: (url, salt)}, [top], args, ["uniform"])[name]
+                    best = max(r["uniform"][top[0]]["output_tok_s"] for r in theirs_by_bind.values())
+                    if trial["uniform"][top[0]]["output_tok_s"] <= best:
+                        theirs_by_bind[bind] = trial
+                        continue
+                # fresh prompts per pass (salts): neither server's prefix cache hits
+                paired = run_paired({name: (url, salt + 10), "shardserve": (ours_url, 100 + salt)}, levels, args,
+                                    WORKLOADS)
+                theirs_by_bind[bind], ours_by_bind[bind] = paired[name], paired["shardserve"]
     bind = max(theirs_by_bind, key=lambda b: theirs_by_bind[b]["uniform"][top[0]]["output_tok_s"])
-    report(levels, ours, theirs_by_bind, bind, args)
+    report(levels, ours_by_bind[bind], theirs_by_bind, bind, args)
 
 
 def report(levels, ours: dict, theirs_by_bind: dict, bind: str, args) -> None:
