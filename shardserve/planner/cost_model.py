@@ -13,8 +13,8 @@ device, dtype and efficiency factors. Per rank of each pipeline stage, for one m
 (attn_peak: the peak of the KV cache's dtype, Deployment.attention_dtype; overlap 1 is the
 classic roofline; the prior, 0.62, is what published GPU GEMMs near the ridge show (Efficiency),
 and a CPU, which hides only part of the weight streaming under the arithmetic, calibrates a
-lower one. Decode attention, one query token
-per sequence, runs a different kernel than a prefill chunk's, hence its own factor.)
+lower one. Decode attention, one query token per sequence, runs a different kernel than a
+prefill chunk's, hence its own factor.)
 
 and a step of m micro-batches through pp stages takes the classic pipeline time
 

@@ -194,7 +194,7 @@ inline void finish_block(const T* const* parts, int64_t rows, int64_t cols, void
 }
 #endif
 
-// The output and its element size for an epilogue
+// An epilogue's output: float32 for kStoreFloat, x's dtype otherwise
 inline at::Tensor output_for(Epilogue e, const at::Tensor& x, int64_t n) {
   return at::empty({x.size(0), n}, e == Epilogue::kStoreFloat ? x.options().dtype(at::kFloat) : x.options());
 }
@@ -357,8 +357,8 @@ at::Tensor dispatch(const at::Tensor& x, const at::Tensor& packed, const float* 
   TORCH_CHECK(false, "linear: this build has no kernel for this dtype");
 }
 
-// x [M, K] (the packed weight's dtype, any K padding added here) and the bias as float32 sums
-// padded to whole panels, so the last panel's bias load stays in bounds
+// One call with any epilogue: the checks, the bias in float32 padded to whole panels (so the last
+// panel's bias load stays in bounds), x padded in k to the packed weight's steps.
 at::Tensor run(at::Tensor x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
                Epilogue e) {
   TORCH_CHECK(x.dim() == 2 && supported(x.scalar_type()) && packed.scalar_type() == x.scalar_type(),
