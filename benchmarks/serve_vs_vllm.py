@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from serving_levels import log, run_level, started, warm_up
@@ -44,6 +45,10 @@ WORKLOADS = {"uniform": dict(input_len=128, output_len=128, range_ratio=0.0),
 
 
 TAG = "serve_vs_vllm"
+# Pause before each level: the server that just ran keeps its OpenMP threads spinning for a while
+# (vLLM preloads Intel's OpenMP, whose threads spin 200 ms after each parallel region), which the
+# other one would otherwise start its level beside.
+SETTLE_S = 2.0
 
 
 def run_paired(servers: dict[str, tuple[str, int]], levels, args, workloads) -> dict:
@@ -62,6 +67,7 @@ def run_paired(servers: dict[str, tuple[str, int]], levels, args, workloads) -> 
                 config = WorkloadConfig(num_requests=num_requests, seed=level, prompt_salt=salt,
                                         **dict(shape, output_len=output_len))
                 log(TAG, f"[{name}] {workload} concurrency {concurrency}: {num_requests} requests")
+                time.sleep(SETTLE_S)
                 results[name].setdefault(workload, {})[concurrency] = run_level(url, config, concurrency)
     return results
 
