@@ -13,9 +13,10 @@ thread bindings (`VLLM_CPU_OMP_THREADS_BIND=0-1`, both cores, and `auto`, one Op
 the first runs every level, the second the deciding one (uniform, highest concurrency) and the
 rest only if it wins there; the faster is the one compared, and named.
 
-Both servers are up at once (an idle one takes no CPU) and every level runs on one and then the
-other, the order alternating from level to level, so the two figures of a ratio are taken within
-a minute or two of each other: this host's speed drifts by tens of percent within an hour, and
+Both servers are up at once (an idle one takes next to no CPU once its threads have settled;
+each level waits SETTLE_S for that) and every level runs on one and then the other, the order
+alternating from level to level, so the two figures of a ratio are taken within a minute or two
+of each other: this host's speed drifts by tens of percent within an hour, and
 a run of all of vLLM's levels and then all of ours compared two different machines.
 
 vLLM is installed on first use into its own venv outside the repo (`--vllm-venv`; see
