@@ -38,6 +38,9 @@ Method
     greedy with ignore_eos, after a 4-token warm-up, in vLLM's own venv (benchmarks/
     vllm_reference.py; the folder holds the embedded GGUF's weights as safetensors), once per
     thread binding (`VLLM_CPU_OMP_THREADS_BIND` auto and 0-1); the faster on uniform counts.
+    Ours runs first, vLLM right after it and transformers last: the ratio to vLLM is the one
+    near its bar, and this host's speed drifts within minutes (with transformers' 6-7 minutes
+    between them, ours and vLLM were measured on different hosts in effect).
     Each system runs in its own child process ("spawn" start method, results through a queue)
     so that `ru_maxrss` is that system's own peak RSS; the parent imports neither torch nor
     shardserve, because a spawned child inherits the parent's RSS high-water mark at fork time.
@@ -617,16 +620,16 @@ def main(argv=None) -> None:
     log("phase shardserve: start")
     ss = run_in_child(shardserve_child, dtype=args.dtype, workloads=workloads, settings=settings)
     log(f"phase shardserve: done ({time.perf_counter() - start_s:.0f} s)")
-    hf = None
-    if not args.skip_hf:
-        log("phase hf: start")
-        hf = run_in_child(hf_child, dtype=args.dtype, workloads=workloads, settings=settings)
-        log(f"phase hf: done ({time.perf_counter() - start_s:.0f} s)")
     vllm = None
     if not args.skip_vllm:
         log("phase vllm: start")
         vllm = vllm_offline(args, workloads)
         log(f"phase vllm: done ({time.perf_counter() - start_s:.0f} s)")
+    hf = None
+    if not args.skip_hf:
+        log("phase hf: start")
+        hf = run_in_child(hf_child, dtype=args.dtype, workloads=workloads, settings=settings)
+        log(f"phase hf: done ({time.perf_counter() - start_s:.0f} s)")
     result = summarize(args, settings, ss, hf, vllm)
     print_throughput_table(result, ss, hf)
     print_memory(result, ss)
