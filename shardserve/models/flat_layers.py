@@ -13,6 +13,7 @@ parallelism, packed weights and the fused norm. Anything else takes the module p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ class FlatLayer:
     qkv: PackedWeight
     qkv_bias: torch.Tensor | None
     o: PackedWeight
-    gate_up: PackedWeight
+    gate_up_silu: Callable[[torch.Tensor], torch.Tensor]  # silu(gate) * up of the gate/up matmul
     down: PackedWeight
 
 
@@ -38,8 +39,7 @@ class FlatLayers:
     def __init__(self, layers: list[FlatLayer], attention, eps: float, num_heads: int, head_dim: int, scale: float):
         self.layers, self.attention = layers, attention
         self.eps, self.num_heads, self.head_dim, self.scale = eps, num_heads, head_dim, scale
-        # one extension holds both: build() found it
-        self.add_rms_norm, self.silu_mul = load_add_rms_norm().default, load_silu_mul().default
+        self.add_rms_norm = load_add_rms_norm().default  # build() found it
 
     @classmethod
     def build(cls, model) -> "FlatLayers | None":
@@ -58,7 +58,7 @@ class FlatLayers:
                 return None
             flat.append(FlatLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                   attn.qkv_proj.packed, attn.qkv_proj.bias, attn.o_proj.packed,
-                                  mlp.gate_up_proj.packed, mlp.down_proj.packed))
+                                  _gate_up_silu(mlp.gate_up_proj.packed), mlp.down_proj.packed))
         first = model.layers[0]
         eps = first.input_layernorm.eps
         attn = first.self_attn
@@ -67,7 +67,7 @@ class FlatLayers:
     def forward(self, x: torch.Tensor, cos_sin, kv_caches: list[torch.Tensor], meta) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: the residual stream [T, hidden] (contiguous), updated in place. Returns (x, the last
         layer's MLP output, still to be added), as the module path leaves them."""
-        norm, silu, attention, eps = self.add_rms_norm, self.silu_mul, self.attention, self.eps
+        norm, attention, eps = self.add_rms_norm, self.attention, self.eps
         num_tokens = x.shape[0]
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -75,8 +75,14 @@ class FlatLayers:
             qkv = layer.qkv.linear(h, layer.qkv_bias).view(num_tokens, -1, self.head_dim)
             out = attention.forward(qkv, cos_sin, kv_cache, meta, self.num_heads, self.scale)
             h = norm(x, layer.o.linear(out.reshape(num_tokens, -1), None), layer.post_attention_norm, eps)
-            if layer.gate_up.fuses_silu_mul:
-                delta = layer.down.linear(layer.gate_up.silu_mul(h), None)
-            else:
-                delta = layer.down.linear(silu(layer.gate_up.linear(h, None)), None)
+            delta = layer.down.linear(layer.gate_up_silu(h), None)
         return x, delta
+
+
+def _gate_up_silu(gate_up: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gate/up matmul ending in SwiGLU (fused where the kernel has the epilogue; the same bits
+    either way), chosen once for the loop."""
+    if gate_up.fuses_silu_mul:
+        return gate_up.silu_mul
+    silu = load_silu_mul().default
+    return lambda h: silu(gate_up.linear(h, None))
