@@ -286,7 +286,7 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
           for (int64_t row = chunk, i = 0; row < chunk_end; row += amx::kBlockRows, ++i) {
             const int64_t rows = std::min(amx::kBlockRows, chunk_end - row);
             const amx::Prefetch prefetch{next ? next + i * lines_per_step * ksteps * 64 : nullptr,
-                                         next ? std::min(lines_per_step, 32 - i * lines_per_step) : 0};
+                                         next ? std::min(lines_per_step, 32 - i * lines_per_step) : 0, true};
             if constexpr (E == Epilogue::kStore) {
               amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr,
                          reinterpret_cast<T*>(yd + (row * n + col) * y_elem), n, rows, cols, configured, prefetch);
