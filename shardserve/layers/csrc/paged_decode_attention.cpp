@@ -22,6 +22,7 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -484,20 +485,22 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   tiles = std::is_same_v<T, c10::BFloat16> && tile_scores::fit(head_dim, block_size, group);
   const amx::TileConfig cfg = tile_scores::config(group);
 #endif
-  // Sequences longest first, dealt out round robin, so threads finish together when contexts
-  // differ (a static split in batch order left one thread with most of the long ones).
+  // Sequences longest first, each thread taking the next item not yet taken, so threads finish
+  // together when contexts differ (a static split in batch order left one thread with most of
+  // the long ones). An item's result does not depend on which thread computes it.
   std::vector<int64_t> order(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
   const int64_t num_items = num_seqs * num_kv_heads;
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::atomic<int64_t> next_item{0};
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, qf(group * head_dim), tile(block_size * head_dim);
 #if defined(SHARDSERVE_AMX)
     if (tiles) _tile_loadconfig(&cfg);
 #endif
     for (int64_t w = begin; w < end; ++w) {
-      for (int64_t item = w; item < num_items; item += num_workers) {
+      for (int64_t item = next_item++; item < num_items; item = next_item++) {
         const int64_t seq = order[item / num_kv_heads], kv_head = item % num_kv_heads;
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
         attend_one<T>(q_ptr + offset, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq], kv_head,
