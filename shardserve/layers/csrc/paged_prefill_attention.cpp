@@ -160,13 +160,6 @@ void pack_block(const T* k_base, const T* v_base, const int64_t* table, int64_t 
 }
 
 #if defined(SHARDSERVE_AMX)
-// With AMX (bf16, head_dim a multiple of 32) both products run on tiles, as 32-column panels
-// (amx_panel.h), zero past the context:
-//   keys:   one panel, kp[d / 2][j] = the pair K[j][d], K[j][d + 1]; 32 query rows at a time meet
-//           it as A tiles, unscaled (the scale is applied to S in float32);
-//   values: head_dim / 32 panels, vp[p][j / 2][e] = the pair V[j][32 p + e], V[j + 1][32 p + e];
-//           the probabilities, rounded to bf16 (as torch's CPU flash attention and GPU kernels
-//           round them), are the A tiles, and the float32 sums are added to the outputs.
 // The cache row of position `pos` of one kv head, or null past the context.
 inline const c10::BFloat16* cache_row(const c10::BFloat16* base, const int64_t* table, int64_t pos,
                                       int64_t context_len, int64_t block_size, int64_t head_dim) {
@@ -198,6 +191,13 @@ inline void transpose16(__m512i rows[16]) {
   }
 }
 
+// With AMX (bf16, head_dim a multiple of 32) both products run on tiles, as 32-column panels
+// (amx_panel.h), zero past the context:
+//   keys:   one panel, kp[d / 2][j] = the pair K[j][d], K[j][d + 1]; 32 query rows at a time meet
+//           it as A tiles, unscaled (the scale is applied to S in float32);
+//   values: head_dim / 32 panels, vp[p][j / 2][e] = the pair V[j][32 p + e], V[j + 1][32 p + e];
+//           the probabilities, rounded to bf16 (as torch's CPU flash attention and GPU kernels
+//           round them), are the A tiles, and the float32 sums are added to the outputs.
 void pack_keys_panel(const c10::BFloat16* k_base, const int64_t* table, int64_t block, int64_t context_len,
                      int64_t block_size, int64_t head_dim, c10::BFloat16* panel) {
   uint32_t* kp = reinterpret_cast<uint32_t*>(panel);
