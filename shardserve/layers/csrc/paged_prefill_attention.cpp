@@ -139,6 +139,11 @@ void accumulate(int64_t head_dim, const float* p, const float* v, const float* a
 
 // keys of positions [block * 32, +32) of one (chunk, kv head), transposed: kt[d][j]; values
 // widened: v[j][d]; positions at or past context_len are zero
+// Where position `pos`'s row starts in one kv head's cache (elements; the table maps its block).
+inline int64_t row_offset(const int64_t* table, int64_t pos, int64_t block_size, int64_t head_dim) {
+  return (table[pos / block_size] * block_size + pos % block_size) * head_dim;
+}
+
 template <typename T>
 void pack_block(const T* k_base, const T* v_base, const int64_t* table, int64_t block, int64_t context_len,
                 int64_t block_size, int64_t head_dim, float* kt, float* v) {
@@ -149,7 +154,7 @@ void pack_block(const T* k_base, const T* v_base, const int64_t* table, int64_t 
       std::fill(v + j * head_dim, v + (j + 1) * head_dim, 0.f);
       continue;
     }
-    const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * head_dim;
+    const int64_t row = row_offset(table, pos, block_size, head_dim);
     for (int64_t d = 0; d < head_dim; d += 16) {
       alignas(64) float widened[16];
       _mm512_store_ps(widened, load16(k_base + row + d));
@@ -163,7 +168,7 @@ void pack_block(const T* k_base, const T* v_base, const int64_t* table, int64_t 
 // The cache row of position `pos` of one kv head, or null past the context.
 inline const c10::BFloat16* cache_row(const c10::BFloat16* base, const int64_t* table, int64_t pos,
                                       int64_t context_len, int64_t block_size, int64_t head_dim) {
-  return pos < context_len ? base + (table[pos / block_size] * block_size + pos % block_size) * head_dim : nullptr;
+  return pos < context_len ? base + row_offset(table, pos, block_size, head_dim) : nullptr;
 }
 
 // rows[i] (16 x 32-bit each) transposed in place: rows[i][j] <-> rows[j][i]
@@ -216,12 +221,17 @@ void pack_keys_panel(const c10::BFloat16* k_base, const int64_t* table, int64_t 
 void pack_values_panels(const c10::BFloat16* v_base, const int64_t* table, int64_t block, int64_t context_len,
                         int64_t block_size, int64_t head_dim, c10::BFloat16* panels) {
   // out[2 e + h] = row h's value e: the first 16 e from the low index vector, the next from the high
-  alignas(64) int16_t lo_idx[32], hi_idx[32];
-  for (int k = 0; k < 32; ++k) {
-    lo_idx[k] = static_cast<int16_t>((k % 2) * 32 + k / 2);
-    hi_idx[k] = static_cast<int16_t>((k % 2) * 32 + 16 + k / 2);
-  }
-  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  struct Interleave {
+    alignas(64) int16_t lo[32], hi[32];
+    Interleave() {
+      for (int k = 0; k < 32; ++k) {
+        lo[k] = static_cast<int16_t>((k % 2) * 32 + k / 2);
+        hi[k] = static_cast<int16_t>((k % 2) * 32 + 16 + k / 2);
+      }
+    }
+  };
+  static const Interleave index;  // built once, not per block
+  const __m512i lo = _mm512_load_si512(index.lo), hi = _mm512_load_si512(index.hi);
   for (int64_t j = 0; j < kKeys; j += 2) {  // panel p, pair row j / 2: V[j][32 p + e], V[j + 1][32 p + e]
     const c10::BFloat16* a = cache_row(v_base, table, block * kKeys + j, context_len, block_size, head_dim);
     const c10::BFloat16* b = cache_row(v_base, table, block * kKeys + j + 1, context_len, block_size, head_dim);
