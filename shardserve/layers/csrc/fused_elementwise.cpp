@@ -72,7 +72,16 @@ void rotary_kv_impl(const T* qkv, const T* cos, const T* sin, const int64_t* slo
                     T* k_cache, T* v_cache, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
                     int64_t slots_per_head) {
   const int64_t half = dim / 2, row_heads = heads + 2 * kv_heads;
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    // The cache rows written are cold (a decode step's slots lie in as many blocks as sequences):
+    // ask for all of them first, so their misses overlap instead of each store waiting on its own
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        for (int64_t i = 0; i < row_bytes; i += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + (kv * slots_per_head + slots[t]) * dim) + i, 1, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + (kv * slots_per_head + slots[t]) * dim) + i, 1, 3);
+        }
     for (int64_t t = begin; t < end; ++t) {
       const T* row = qkv + t * row_heads * dim;
       const T* c = cos + t * dim;
