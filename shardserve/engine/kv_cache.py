@@ -42,8 +42,8 @@ class KVCache:
         else:
             # An anonymous mapping is zero-filled by the kernel and committed page by page as
             # blocks are first written, so RSS grows with use rather than by the whole budget at
-            # start-up; with `prefault` it is all committed now (_commit). Masked padding that attention may read is then
-            # zeros or real keys and values, never garbage.
+            # start-up; with `prefault` it is all committed now (_commit). Masked padding that
+            # attention may read is then zeros or real keys and values, never garbage.
             numel = math.prod(shape)
             region = mmap.mmap(-1, numel * num_layers * torch.finfo(dtype).bits // 8,
                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
