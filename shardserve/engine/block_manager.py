@@ -10,7 +10,14 @@ A freed block keeps its hash and stays findable until it is reused: free blocks 
 queue (front = evicted first), and a prefix hit on a free block takes it back out of the queue.
 Reference counts let many requests share one cached block. The queue, front to back:
 
-    [ freed, nothing cached (latest first) | never used (by id) | freed, cached (oldest first) ]
+    [ freed, nothing cached (latest first) | never used (by id) | spares | freed, cached (oldest first) ]
+
+A request that takes the newest blocks also holds the never-used blocks after them as its spares
+(up to MAX_SPARES, no more than it can still fill) and grows into them first: a sequence's blocks
+then lie in one run of memory, which the decode attention reads at a higher rate than blocks
+scattered among other sequences' (prompts admitted together would otherwise each grow into
+blocks interleaved with all the others'). Spares count as free: they are handed to another
+request before any cached block is evicted.
 
 Blocks are made on first use, so a pool of many blocks costs nothing until it fills (the
 simulator holds a thousand replicas' pools at once).
@@ -22,6 +29,8 @@ from dataclasses import dataclass
 
 from shardserve.request import Request
 
+MAX_SPARES = 16  # blocks held after a request's last one for its growth
+
 
 @dataclass(slots=True)
 class Block:
@@ -32,13 +41,17 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 max_spares: int = MAX_SPARES):
         self.block_size = block_size
+        self.max_spares = max_spares
         self.enable_prefix_caching = enable_prefix_caching
         self._num_blocks = num_blocks
         self.blocks: list[Block] = []  # made on first use: block i exists once i < len(blocks)
         self._free_front: list[int] = []  # freed blocks holding no hash: a stack, top = front of the queue
         self._free_back: OrderedDict[int, None] = OrderedDict()  # freed cached blocks, least recent first
+        self._spares: dict[str, list[int]] = {}  # request id -> never-used blocks right after its last one
+        self._num_spares = 0
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found
@@ -49,7 +62,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_front) + self._num_blocks - len(self.blocks) + len(self._free_back)
+        return len(self._free_front) + self._num_blocks - len(self.blocks) + self._num_spares + len(self._free_back)
 
     @property
     def usage(self) -> float:
@@ -100,8 +113,13 @@ class BlockManager:
             req.block_ids.append(block_id)
         req.num_computed_tokens += len(prefix_hits) * self.block_size
         needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        spares = self._spares.get(req.req_id, [])
         for _ in range(needed):
-            block = self._pop_free()
+            if spares:
+                self._num_spares -= 1
+                block = self.blocks[spares.pop(0)]
+            else:
+                block = self._pop_free()
             block_id = block.block_id
             if block.hash is not None:  # evict the least recently freed cached block
                 if self.cached.get(block.hash) == block_id:
@@ -109,6 +127,21 @@ class BlockManager:
                 block.hash, block.token_ids = None, ()
             block.ref_count = 1
             req.block_ids.append(block_id)
+        self._reserve(req)
+
+    def _reserve(self, req: Request) -> None:
+        """Hold the never-used blocks after `req`'s last block as its spares, if it has the newest."""
+        if not req.block_ids or req.block_ids[-1] != len(self.blocks) - 1:
+            return
+        final = len(req.prompt_token_ids) + req.params.max_tokens
+        count = min(self.max_spares, self.blocks_needed(final) - len(req.block_ids), self._num_blocks - len(self.blocks))
+        if count <= 0:
+            return
+        spares = self._spares.setdefault(req.req_id, [])
+        for _ in range(count):
+            self.blocks.append(Block(len(self.blocks)))
+            spares.append(len(self.blocks) - 1)
+        self._num_spares += count
 
     def cache_full_blocks(self, req: Request) -> None:
         """Publish the hashes of `req`'s blocks that are now full and computed."""
@@ -139,6 +172,9 @@ class BlockManager:
                     self._free_back[block_id] = None
         req.block_ids = []
         req.num_published_blocks = 0
+        spares = self._spares.pop(req.req_id, [])
+        self._free_front.extend(reversed(spares))
+        self._num_spares -= len(spares)
 
     def _pop_free(self) -> Block:
         """The block at the front of the free queue, out of it."""
@@ -147,6 +183,13 @@ class BlockManager:
         if len(self.blocks) < self._num_blocks:
             self.blocks.append(Block(len(self.blocks)))
             return self.blocks[-1]
+        if self._num_spares:  # take back the end of the largest reservation
+            owner = max(self._spares, key=lambda r: len(self._spares[r]))
+            self._num_spares -= 1
+            block_id = self._spares[owner].pop()
+            if not self._spares[owner]:
+                del self._spares[owner]
+            return self.blocks[block_id]
         block_id, _ = self._free_back.popitem(last=False)
         return self.blocks[block_id]
 

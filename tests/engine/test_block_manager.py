@@ -74,7 +74,7 @@ class EagerQueueBlockManager(BlockManager):
     queue (blocks made on first use) must hand blocks out exactly like."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        super().__init__(num_blocks, block_size)
+        super().__init__(num_blocks, block_size, max_spares=0)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.queue = OrderedDict((i, None) for i in range(num_blocks))
 
@@ -102,7 +102,7 @@ class EagerQueueBlockManager(BlockManager):
 
 def test_lazy_free_queue_hands_out_blocks_like_the_eager_one():
     rng = random.Random(0)
-    lazy, eager = BlockManager(40, 4), EagerQueueBlockManager(40, 4)
+    lazy, eager = BlockManager(40, 4, max_spares=0), EagerQueueBlockManager(40, 4)  # spares: tested below
     prompts = [[rng.randrange(3) for _ in range(rng.randrange(1, 14))] for _ in range(30)]  # shared prefixes
     live: dict[str, tuple[Request, Request]] = {}
     for step in range(600):
@@ -126,3 +126,49 @@ def test_lazy_free_queue_hands_out_blocks_like_the_eager_one():
             live[f"{step}"] = pair
         assert lazy.num_free_blocks == eager.num_free_blocks and lazy.cached == eager.cached
     assert len(lazy.blocks) < 40 or eager.num_free_blocks < 40  # the lazy pool grew only as used
+
+
+def grow(bm: BlockManager, r: Request, steps: int) -> None:
+    """`steps` decode steps of `r`: one token computed, one more to store."""
+    for _ in range(steps):
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(0)
+        bm.allocate(r, 1)
+
+
+def test_requests_admitted_together_grow_into_runs_of_their_own():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    reqs = [Request(rid, list(range(6)), SamplingParams(max_tokens=20), seed=0) for rid in "abc"]
+    for r in reqs:
+        bm.allocate(r, 6)
+    for _ in range(20):  # decode steps of the batch, interleaved as the engine runs them
+        for r in reqs:
+            grow(bm, r, 1)
+    for r in reqs:  # 26 tokens: 7 blocks, one run each
+        assert len(r.block_ids) == 7 and r.block_ids == list(range(r.block_ids[0], r.block_ids[0] + 7))
+    assert len({b for r in reqs for b in r.block_ids}) == 21
+    bm.free_request(reqs[0])  # nothing held beyond what it used (its spares were exactly its growth)
+    assert bm.num_free_blocks == 64 - 14
+
+
+def test_spares_count_as_free_and_go_to_others_before_any_cached_block():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    cached = Request("cached", list(range(8)), SamplingParams(max_tokens=1), seed=0)  # 2 full blocks, 1 spare
+    bm.allocate(cached, 8)
+    cached.num_computed_tokens = 8
+    bm.cache_full_blocks(cached)
+    bm.free_request(cached)
+    a = Request("a", list(range(4)), SamplingParams(max_tokens=100), seed=0)
+    bm.allocate(a, 4)  # the spare given back, now the newest block: a reserves the 7 after it
+    assert a.block_ids == [2] and bm._spares == {"a": list(range(3, 10))} and bm.num_free_blocks == 9
+    b = req("b", [9] * 20)  # 5 blocks: all from a's spares (and the never-used), none evicted
+    assert bm.can_allocate(b, 20)
+    bm.allocate(b, 20)
+    owned = a.block_ids + b.block_ids
+    assert len(set(owned)) == len(owned) == 6 and bm.num_free_blocks == 4
+    probe = req("probe", list(range(8)) + [1])
+    assert len(bm.find_prefix(probe)) == 2  # the cached blocks survived
+    grow(bm, a, 2)  # a's growth still finds its blocks
+    bm.free_request(a)
+    bm.free_request(b)
+    assert bm.num_free_blocks == 10 and bm._num_spares == 0 and not bm._spares
