@@ -11,7 +11,7 @@ from shardserve.config import ModelConfig
 from shardserve.engine.grammar import Grammars, bitmask_words
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.kv_cache import KVCache
-from shardserve.engine.sampler import SamplingState, sample
+from shardserve.engine.sampler import SamplingState, argmax_suffices, sample
 from shardserve.layers.attention.backend import AttentionBackend
 from shardserve.layers.attention.paged_kv import SeqSpan
 from shardserve.layers.cpu_kernels import build_all
@@ -123,8 +123,13 @@ class ModelRunner:
         """The next token of every sequence whose chunk ends at its last known token."""
         if not inputs.sample_req_ids:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, vocab] float32
+        hidden = hidden[inputs.sample_indices]
         states = [self.states[r] for r in inputs.sample_req_ids]
+        if argmax_suffices(states):  # greedy: at batch 64, 3.7 -> 2.5 ms without [64, 49k] logits
+            token_ids = self.model.compute_greedy(hidden)
+            if token_ids is not None:
+                return {r: SampledToken(t) for r, t in zip(inputs.sample_req_ids, token_ids.tolist())}
+        logits = self.model.compute_logits(hidden)  # [N, vocab] float32
         # sampled where the logits are: no per-step copy of [N, vocab] to the host, one of N ids
         return dict(zip(inputs.sample_req_ids, sample(logits, states, self.grammar_masks(states))))
 

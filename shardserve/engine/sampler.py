@@ -59,6 +59,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def argmax_suffices(states: list[SamplingState]) -> bool:
+    """Whether `sample` would answer every state with the raw logits' argmax and nothing else
+    (greedy, no penalties, no min_tokens still to reach, no logprobs, no grammar): the LM head can
+    then pick the tokens without materializing the logits."""
+    return all(s.params.is_greedy and not s.params.has_penalties and s.num_output_tokens >= s.params.min_tokens
+               and s.params.logprobs is None and s.params.structured_outputs is None for s in states)
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState], bitmask: torch.Tensor | None = None) -> list[SampledToken]:
     """logits: [N, vocab] float32, row i for states[i]; each state's next token goes at
     position len(state.token_ids). `bitmask` ([N, words] int32, engine/grammar.py) holds the

@@ -65,6 +65,13 @@ class PackedWeight:
             return self.linear(x, None).float()
         return self.panel_kernel.linear_float.default(x, self.data, None, self.out_features)
 
+    def linear_argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """linear_float(x).argmax(dim=-1) for x [N, in], int64 [N]; with the fused epilogue the
+        [N, out] float32 values are never written (an LM head's greedy tokens)."""
+        if not self.fused:
+            return self.linear_float(x).argmax(dim=-1)
+        return self.panel_kernel.linear_argmax.default(x, self.data, None, self.out_features)
+
     @property
     def fuses_silu_mul(self) -> bool:
         """Whether silu_mul runs fused: the kernel has the epilogue and each half is whole panels."""

@@ -101,7 +101,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """forward(input_ids [T], positions [T]) -> final hidden states [T, hidden];
-    compute_logits(hidden [N, hidden]) -> [N, vocab] float32.
+    compute_logits(hidden [N, hidden]) -> [N, vocab] float32; compute_greedy(hidden) -> their
+    argmax [N] int64, or None where only compute_logits can answer (tp).
 
     In a parallel replica each rank builds only its part: its pipeline stage's layers (the
     embedding on the first stage, the final norm and head on the last), each layer's tp slice.
@@ -148,6 +149,9 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.greedy_tokens(hidden)
 
     def prepack(self) -> None:
         """Repack matmul weights for the device's fastest kernels; call once, after loading."""

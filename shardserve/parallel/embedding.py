@@ -63,3 +63,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             local = F.linear(hidden, self.weight).float()
         return all_gather(local, self.tp, dim=-1)[:, : self.vocab_size]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """forward(hidden).argmax(dim=-1) without the logits where this rank holds the whole
+        vocabulary; None under tp (the logits' all_gather is a collective every rank joins)."""
+        if self.tp.size > 1:
+            return None
+        if self.packed is not None:
+            return self.packed.linear_argmax(hidden)
+        return self.forward(hidden).argmax(dim=-1)

@@ -52,6 +52,15 @@ def test_chat_uses_template(llm):
     assert "Paris" in out.outputs[0].text
 
 
+def test_greedy_tokens_without_logits_are_those_of_the_logits(llm):
+    """Plain greedy requests take the LM head's fused argmax; asking for logprobs makes the same
+    batch go through the full logits and the sampler: the tokens must agree."""
+    prompts = ["The capital of France is", "def fib(n):", "1, 2, 3,", "Once upon a time"]
+    fused = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    via_logits = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in via_logits]
+
+
 def test_logprobs_returned_per_token(llm):
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0].outputs[0]
     assert len(out.logprobs) == 3

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from shardserve.engine.sampler import SamplingState, sample
+from shardserve.engine.sampler import SamplingState, argmax_suffices, sample
 from shardserve.request import InvalidRequestError, SamplingParams
 
 
@@ -14,6 +14,28 @@ def state(tokens=(1, 2, 3), num_prompt=3, seed=0, **params) -> SamplingState:
 def test_greedy_picks_argmax():
     logits = torch.tensor([[0.1, 3.0, 0.2, -1.0]])
     assert sample(logits, [state(temperature=0)])[0].token_id == 1
+
+
+@pytest.mark.parametrize("params, suffices", [
+    (dict(temperature=0), True),
+    (dict(temperature=0.7, top_k=1), True),
+    (dict(temperature=0, ignore_eos=True, min_tokens=0), True),
+    (dict(temperature=0.7), False),
+    (dict(temperature=0, logprobs=0), False),
+    (dict(temperature=0, repetition_penalty=1.1), False),
+    (dict(temperature=0, presence_penalty=0.5), False),
+    (dict(temperature=0, min_tokens=2), False),  # EOS still masked: the argmax may be banned
+])
+def test_argmax_suffices_exactly_where_sample_answers_with_the_argmax(params, suffices):
+    """The model runner skips the logits when this says so: sample must then give the argmax."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 50)
+    logits[:, 0] += 10  # EOS (id 0) the largest: min_tokens would ban it
+    states = [state(**params) for _ in range(4)]
+    assert argmax_suffices(states) is suffices
+    if suffices:
+        assert [t.token_id for t in sample(logits, states)] == logits.argmax(dim=-1).tolist()
+    assert argmax_suffices([state(temperature=0), states[0]]) is suffices  # one row decides the batch
 
 
 def test_seeded_draw_depends_only_on_seed_position_and_logits():

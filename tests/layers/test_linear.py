@@ -73,6 +73,35 @@ def test_fused_epilogues_give_the_bits_of_the_separate_ops(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_argmax_is_torch_argmax_of_the_logits(dtype, threads):
+    """Greedy decoding's fused head: the first index of the largest logit (ties between equal
+    columns, a NaN column, N not whole panels, rows past a tile block and a thread's chunk) with
+    the panels split over one or two threads."""
+    torch.manual_seed(5)
+    n = 3000 + 17
+    weight = torch.randn(n, 64, dtype=dtype)
+    weight[2500] = weight[700]  # equal columns: the earlier must win wherever they are the largest
+    head = prepack_weight(weight)
+    nan_head = prepack_weight(torch.cat([weight[:n - 5], torch.full((5, 64), float("nan"), dtype=dtype)]))
+    if not head.fused:
+        pytest.skip("this build has no fused epilogues (AVX2)")
+    x = torch.randn(130, 64, dtype=dtype)
+    x[::7] = weight[700] * 2  # rows whose largest logits are the tied pair
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 13, 33, 130):
+            expected = head.linear_float(x[:rows]).argmax(dim=-1)
+            got = head.linear_argmax(x[:rows])
+            assert got.dtype == torch.int64 and torch.equal(got, expected)
+        assert (head.linear_argmax(x)[::7] == 700).all()
+        assert (nan_head.linear_argmax(x) == n - 5).all()  # as torch.argmax: the first NaN
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_is_refused_for_halves_that_are_not_whole_panels(dtype):
     packed = prepack_weight(torch.randn(2 * 40, 64, dtype=dtype))
     assert not packed.fuses_silu_mul

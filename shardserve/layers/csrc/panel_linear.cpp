@@ -24,9 +24,11 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -168,9 +170,12 @@ inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, 
 //   kStoreFloat  the same values widened to float32 (a logits head: no conversion pass after);
 //   kSiluMul     W = [gate | up] (2n rows, n a multiple of 32): y [M, n] = silu(gate) * up, the
 //                SwiGLU of the two halves in the matmul's last pass over its output, the same
-//                bits as linear() then silu_mul (each half rounded to x's dtype first, as stored).
+//                bits as linear() then silu_mul (each half rounded to x's dtype first, as stored);
+//   kArgmax      each row's argmax over the kStoreFloat values, y [M] int64, as torch.argmax
+//                answers it (the first index of the largest value, a NaN the largest): greedy
+//                decoding's token without writing (and reading back) [M, vocab] float32 logits.
 // A panel's output block goes straight to y (kStore) or through a block of x's dtype in L1.
-enum class Epilogue { kStore, kStoreFloat, kSiluMul };
+enum class Epilogue { kStore, kStoreFloat, kSiluMul, kArgmax };
 
 constexpr int64_t sources(Epilogue e) { return e == Epilogue::kSiluMul ? 2 : 1; }
 
@@ -194,9 +199,67 @@ inline void finish_block(const T* const* parts, int64_t rows, int64_t cols, void
 }
 #endif
 
-// An epilogue's output: float32 for kStoreFloat, x's dtype otherwise
+// An epilogue's output: float32 for kStoreFloat, int64 [M] for kArgmax, x's dtype otherwise
 inline at::Tensor output_for(Epilogue e, const at::Tensor& x, int64_t n) {
+  if (e == Epilogue::kArgmax) return at::empty({x.size(0)}, x.options().dtype(at::kLong));
   return at::empty({x.size(0), n}, e == Epilogue::kStoreFloat ? x.options().dtype(at::kFloat) : x.options());
+}
+
+// kArgmax: a row's best (value, column) so far; column -1: none yet. Each thread keeps one per
+// row over the panels it ran (in column order), and the threads' are merged after.
+struct RowBest {
+  float value = 0.f;
+  int64_t col = -1;
+};
+
+// Whether (v, col) beats `b`: a NaN beats any number, then the larger value, then the earlier column
+inline bool beats(float v, int64_t col, const RowBest& b) {
+  if (b.col < 0) return true;
+  const bool v_nan = std::isnan(v), b_nan = std::isnan(b.value);
+  if (v_nan || b_nan) return v_nan && (!b_nan || col < b.col);
+  return v > b.value || (v == b.value && col < b.col);
+}
+
+#if defined(__AVX512F__)
+// kArgmax's step: rows of one output block (32 values each, 32 apart, columns col..col+cols) into
+// best[0, rows). Columns only grow within a thread, so a tie keeps the value already held.
+template <typename T>
+inline void argmax_block(const T* part, int64_t rows, int64_t cols, int64_t col, RowBest* best) {
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 lowest = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 a = load16(part + r * 32), b = load16(part + r * 32 + 16);
+    const uint32_t nan = _mm512_mask_cmp_ps_mask(m0, a, a, _CMP_UNORD_Q) |
+                         static_cast<uint32_t>(_mm512_mask_cmp_ps_mask(m1, b, b, _CMP_UNORD_Q)) << 16;
+    RowBest& held = best[r];
+    if (nan) {  // the block's first NaN
+      const int64_t lane = __builtin_ctz(nan);
+      if (beats(std::nanf(""), col + lane, held)) held = {std::nanf(""), col + lane};
+      continue;
+    }
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(m0, lowest, a),
+                                                         _mm512_mask_blend_ps(m1, lowest, b)));
+    if (held.col >= 0 && (std::isnan(held.value) || !(top > held.value))) continue;
+    const __m512 t = _mm512_set1_ps(top);
+    const uint32_t at = _mm512_mask_cmp_ps_mask(m0, a, t, _CMP_EQ_OQ) |
+                        static_cast<uint32_t>(_mm512_mask_cmp_ps_mask(m1, b, t, _CMP_EQ_OQ)) << 16;
+    held = {top, col + __builtin_ctz(at)};
+  }
+}
+#endif
+
+// kArgmax's result: per row, the best of the threads' (`threads` blocks of m RowBest)
+inline void merge_argmax(const std::vector<RowBest>& bests, int64_t threads, int64_t m, at::Tensor& y) {
+  int64_t* out = y.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    RowBest best;
+    for (int64_t t = 0; t < threads; ++t) {
+      const RowBest& c = bests[t * m + r];
+      if (c.col >= 0 && beats(c.value, c.col, best)) best = c;
+    }
+    out[r] = std::max<int64_t>(best.col, 0);
+  }
 }
 
 #if defined(SHARDSERVE_PANEL_KERNEL)
@@ -220,9 +283,11 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float
   const T* wd = packed.data_ptr<T>();
   char* yd = static_cast<char*>(y.data_ptr());
   const int64_t ldx = x.size(1), panel_elems = ksteps * kw * kPanel, y_elem = y.element_size();
-  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  const int64_t num_panels = (n + kPanel - 1) / kPanel, threads = at::get_num_threads();
+  std::vector<RowBest> bests(E == Epilogue::kArgmax ? threads * m : 0);
   at::parallel_for(0, num_panels, panel_grain(m, S * ksteps * kw), [&](int64_t begin, int64_t end) {
     alignas(64) T scratch[S][kMaxRows * kPanel];
+    RowBest* best = E == Epilogue::kArgmax ? &bests[at::get_thread_num() * m] : nullptr;
     for (int64_t chunk = 0; chunk < m; chunk += kRowChunk) {
       const int64_t chunk_end = std::min(m, chunk + kRowChunk);
       for (int64_t panel = begin; panel < end; ++panel) {
@@ -239,7 +304,9 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float
                              E == Epilogue::kStore ? n : kPanel, cols, row == chunk ? next : nullptr);
           }
 #if defined(__AVX512F__)
-          if constexpr (E != Epilogue::kStore) {
+          if constexpr (E == Epilogue::kArgmax) {
+            argmax_block(scratch[0], rows, cols, col, best + row);
+          } else if constexpr (E != Epilogue::kStore) {
             const T* parts[2] = {scratch[0], scratch[S - 1]};
             finish_block<E, T>(parts, rows, cols, yd + (row * n + col) * y_elem, n);
           }
@@ -248,6 +315,7 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed, const float
       }
     }
   });
+  if constexpr (E == Epilogue::kArgmax) merge_argmax(bests, threads, m, y);
   return y;
 }
 #endif
@@ -267,9 +335,11 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
   const T* wd = packed.data_ptr<T>();
   char* yd = static_cast<char*>(y.data_ptr());
   const int64_t ldx = x.size(1), panel_elems = k * kPanel, y_elem = y.element_size();
-  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  const int64_t num_panels = (n + kPanel - 1) / kPanel, threads = at::get_num_threads();
+  std::vector<RowBest> bests(E == Epilogue::kArgmax ? threads * m : 0);
   at::parallel_for(0, num_panels, panel_grain(m, S * k), [&](int64_t begin, int64_t end) {
     alignas(64) T scratch[S][kAmxRowChunk * kPanel];  // a chunk's source blocks (unused by kStore)
+    RowBest* best = E == Epilogue::kArgmax ? &bests[at::get_thread_num() * m] : nullptr;
     int64_t configured = 0;  // the block height the tiles are shaped for
     for (int64_t chunk = 0; chunk < m; chunk += kAmxRowChunk) {
       const int64_t chunk_end = std::min(m, chunk + kAmxRowChunk);
@@ -294,7 +364,9 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
               const int64_t at = (row - chunk) * kPanel;
               amx::block(xd + row * ldx, ldx, w, ksteps, bias ? bias + col : nullptr, scratch[s] + at, kPanel, rows,
                          cols, configured, prefetch);
-              if (s + 1 == S) {
+              if constexpr (E == Epilogue::kArgmax) {
+                argmax_block(scratch[0] + at, rows, cols, col, best + row);
+              } else if (s + 1 == S) {
                 const T* parts[2] = {scratch[0] + at, scratch[S - 1] + at};
                 finish_block<E, T>(parts, rows, cols, yd + (row * n + col) * y_elem, n);
               }
@@ -305,6 +377,7 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
     }
     _tile_release();
   });
+  if constexpr (E == Epilogue::kArgmax) merge_argmax(bests, threads, m, y);
   return y;
 }
 #endif
@@ -378,6 +451,7 @@ at::Tensor run(at::Tensor x, const at::Tensor& packed, const c10::optional<at::T
   switch (e) {
     case Epilogue::kStore: return dispatch<Epilogue::kStore>(x, packed, b, n);
     case Epilogue::kStoreFloat: return dispatch<Epilogue::kStoreFloat>(x, packed, b, n);
+    case Epilogue::kArgmax: return dispatch<Epilogue::kArgmax>(x, packed, b, n);
     default: return dispatch<Epilogue::kSiluMul>(x, packed, b, n);
   }
 }
@@ -402,6 +476,12 @@ at::Tensor linear_float(at::Tensor x, at::Tensor packed, c10::optional<at::Tenso
   return run(x, packed, bias, n, Epilogue::kStoreFloat);
 }
 
+// argmax(linear_float(x, packed, bias, n), dim=-1) -> int64 [M], without the [M, n] logits.
+at::Tensor linear_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t n) {
+  TORCH_CHECK(epilogues(), "linear_argmax: this build has no fused epilogue");
+  return run(x, packed, bias, n, Epilogue::kArgmax);
+}
+
 // packed from pack([gate; up]) with n rows each, n a multiple of 32 -> silu(x gate^T) * (x up^T),
 // [M, n], the bits of linear() then silu_mul.
 at::Tensor linear_silu_mul(at::Tensor x, at::Tensor packed, int64_t n) {
@@ -420,4 +500,5 @@ TORCH_LIBRARY(shardserve_panel_linear, m) {
   m.def("epilogues() -> bool", &epilogues);
   m.def("linear_float(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &linear_float);
   m.def("linear_silu_mul(Tensor x, Tensor packed, int n) -> Tensor", &linear_silu_mul);
+  m.def("linear_argmax(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &linear_argmax);
 }
