@@ -18,6 +18,31 @@ EXTENSIONS = {"panel_linear": False, "fused_elementwise": False, "paged_decode_a
               "paged_prefill_attention": False, "argmax_rows": False}
 
 
+def _read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the compiler's target is all there is to go by
+        import platform
+
+        return f"model name: {platform.processor()} {platform.machine()}"
+
+
+def cpu_identity(cpuinfo: str) -> str:
+    """A short hash of what `-march=native` compiles for: the CPU's model name and its feature
+    flags (the first processor's; the lines that change from read to read, like its clock, are left out)."""
+    wanted = ("model name", "flags", "vendor_id", "cpu family", "model")
+    lines = []
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if lines:
+                break  # the first processor is enough: the cores of one host are alike
+            continue
+        key = line.split(":", 1)[0].strip()
+        if key in wanted:
+            lines.append(line.strip())
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
 def _load(name: str):
     """The compiled extension `csrc/<name>.cpp`, or None (disabled or no toolchain).
@@ -35,6 +60,10 @@ def _load(name: str):
         # headers' hash as a flag makes their changes count too
         headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))).hexdigest()[:16]
         flags.append(f"-DSHARDSERVE_HEADERS={headers}")
+        # -march=native means another instruction set on another CPU, but the same flag to torch:
+        # a cache shared by two kinds of host would hand one the other's build (AMX code on a CPU
+        # without AMX dies of SIGILL). The CPU's identity as a flag rebuilds it per kind of host.
+        flags.append(f"-DSHARDSERVE_CPU={cpu_identity(_read_cpuinfo())}")
         # each kernel registers its functions as torch ops in the namespace shardserve_<name>
         load(name=f"shardserve_{name}", sources=[str(_CSRC / f"{name}.cpp")], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.layers.attention.paged_kv import write_kv
-from shardserve.layers.cpu_kernels import load_argmax_rows, load_rotary_kv, load_silu_mul
+from shardserve.layers.cpu_kernels import cpu_identity, load_argmax_rows, load_rotary_kv, load_silu_mul
 from shardserve.layers.rotary import apply_rotary
 
 rotary_kv = load_rotary_kv()
@@ -87,3 +87,16 @@ def test_argmax_rows_answers_as_torch_argmax():
     logits[5, 0] = -0.0
     logits[6, 17] = float("inf")
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def _cpuinfo(flags: str, mhz: str) -> str:
+    core = f"processor\t: {{n}}\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\ncpu MHz\t\t: {mhz}\nflags\t\t: {flags}\n"
+    return core.format(n=0) + "\n" + core.format(n=1).replace(mhz, "1.0")
+
+
+def test_cpu_identity_keys_the_build_on_the_instruction_set_not_the_clock():
+    base = cpu_identity(_cpuinfo("avx512f avx512_bf16", "2100.0"))
+    assert cpu_identity(_cpuinfo("avx512f avx512_bf16", "3700.5")) == base
+    # a host with AMX must not load the build of one without it, nor the other way round
+    assert cpu_identity(_cpuinfo("avx512f avx512_bf16 amx_bf16 amx_tile", "2100.0")) != base
+    assert cpu_identity(_cpuinfo("avx512f avx512_bf16", "2100.0").replace("Xeon", "EPYC")) != base
