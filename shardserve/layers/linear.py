@@ -42,7 +42,7 @@ class PackedWeight:
     two halves in the same pass: the bits of linear then silu_and_mul)."""
 
     def __init__(self, weight: torch.Tensor):
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.panel_kernel = load_panel_linear(weight.dtype)
         self.fused = self.panel_kernel is not None and self.panel_kernel.epilogues()
         if self.panel_kernel is not None:
@@ -76,6 +76,19 @@ class PackedWeight:
     def fuses_silu_mul(self) -> bool:
         """Whether silu_mul runs fused: the kernel has the epilogue and each half is whole panels."""
         return self.fused and self.out_features % 64 == 0
+
+    @property
+    def gathers_rows(self) -> bool:
+        """Whether `rows` can read W's rows back (the panel layout; oneDNN's is opaque)."""
+        return self.panel_kernel is not None
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [T, in], bit for bit, read from the panels ([out / P][in_pad / kw][P][kw], P
+        output rows a panel): a tied embedding looks its tokens up here instead of keeping its
+        own copy of the matrix."""
+        panel_rows = self.data.shape[2]
+        picked = self.data[ids // panel_rows, :, ids % panel_rows, :]  # [T, in_pad / kw, kw]
+        return picked.reshape(ids.shape[0], -1)[:, : self.in_features].contiguous()
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(linear(x, None)) for x [N, in] and a fused [gate; up] weight (fuses_silu_mul)."""

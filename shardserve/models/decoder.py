@@ -158,6 +158,8 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, ParallelLMHead)):
                 module.prepack()
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.embed_tokens.share_rows_of(self.lm_head.packed)
         self.flat_layers = FlatLayers.build(self)
 
     def load_weights(self, tensors: Iterable[tuple[str, "torch.Tensor | LazyTensor"]]) -> None:

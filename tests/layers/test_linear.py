@@ -127,6 +127,18 @@ def test_linear_gives_the_same_result_before_and_after_prepack(dtype):
     torch.testing.assert_close(after.double(), reference(x, weight, bias), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features, in_features", [(40, 7), (96, 576), (33, 130)])
+def test_rows_reads_the_packed_matrix_back_bit_for_bit(dtype, out_features, in_features):
+    # a tied embedding looks its tokens up in the head's panels, padding in both dimensions included
+    weight = torch.randn(out_features, in_features).to(dtype)
+    packed = prepack_weight(weight)
+    assert packed.gathers_rows
+    ids = torch.tensor([0, out_features - 1, 31, 32, 5, 5])
+    got = packed.rows(ids)
+    assert got.is_contiguous() and torch.equal(got, weight[ids])
+
+
 @pytest.mark.parametrize("dtype", [DTYPES[1]])
 def test_panel_kernel_lets_other_python_threads_run(dtype):
     """A server runs the engine in a thread beside its HTTP event loop: while a product runs, that
