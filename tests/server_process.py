@@ -23,13 +23,19 @@ def running_server(*args: str, startup_timeout_s: float = 120, headers: dict[str
 def scrape(base_url: str, name: str, default: float | None = None) -> float:
     """Sum of a metric's samples (all label sets) in the server's /metrics; `default` when it
     has none (KeyError without a default)."""
-    total, found = 0.0, False
+    return scrape_many(base_url, (name,), default)[name]
+
+
+def scrape_many(base_url: str, names: tuple[str, ...], default: float | None = None) -> dict[str, float]:
+    """`scrape` of several metrics from one read of /metrics."""
+    totals: dict[str, float] = {}
     for line in httpx.get(f"{base_url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    if not found:
-        if default is not None:
-            return default
-        raise KeyError(name)
-    return total
+        for name in names:
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for name in names:
+        if name not in totals:
+            if default is None:
+                raise KeyError(name)
+            totals[name] = default
+    return totals

@@ -28,8 +28,9 @@ def _read_cpuinfo() -> str:
 
 
 def cpu_identity(cpuinfo: str) -> str:
-    """A short hash of what `-march=native` compiles for: the CPU's model name and its feature
-    flags (the first processor's; the lines that change from read to read, like its clock, are left out)."""
+    """A short hash of what `-march=native` compiles for: the CPU's vendor, family, model and
+    feature flags (the first processor's; lines that change from read to read, like its clock,
+    are left out)."""
     wanted = ("model name", "flags", "vendor_id", "cpu family", "model")
     lines = []
     for line in cpuinfo.splitlines():
