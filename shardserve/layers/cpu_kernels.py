@@ -44,6 +44,17 @@ def cpu_identity(cpuinfo: str) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
+@functools.cache
+def _rebuild_keys() -> list[str]:
+    """Flags that only make torch rebuild an extension (it compares sources and flags): the
+    headers' hash (their changes count too) and the CPU's identity (-march=native means another
+    instruction set on another CPU but is the same flag, so a cache shared by two kinds of host
+    would hand one the other's build: AMX code on a CPU without AMX dies of SIGILL). Read once
+    for all the extensions."""
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))).hexdigest()[:16]
+    return [f"-DSHARDSERVE_HEADERS={headers}", f"-DSHARDSERVE_CPU={cpu_identity(_read_cpuinfo())}"]
+
+
 @functools.lru_cache(maxsize=None)
 def _load(name: str):
     """The compiled extension `csrc/<name>.cpp`, or None (disabled or no toolchain).
@@ -57,14 +68,7 @@ def _load(name: str):
 
         # without fast math, also no fused multiply-adds: the exact ops round as torch's do
         flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else ["-ffp-contract=off"])
-        # torch rebuilds an extension when its source or flags change, not its headers: the
-        # headers' hash as a flag makes their changes count too
-        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))).hexdigest()[:16]
-        flags.append(f"-DSHARDSERVE_HEADERS={headers}")
-        # -march=native means another instruction set on another CPU, but the same flag to torch:
-        # a cache shared by two kinds of host would hand one the other's build (AMX code on a CPU
-        # without AMX dies of SIGILL). The CPU's identity as a flag rebuilds it per kind of host.
-        flags.append(f"-DSHARDSERVE_CPU={cpu_identity(_read_cpuinfo())}")
+        flags += _rebuild_keys()
         # each kernel registers its functions as torch ops in the namespace shardserve_<name>
         load(name=f"shardserve_{name}", sources=[str(_CSRC / f"{name}.cpp")], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
