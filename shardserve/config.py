@@ -286,6 +286,9 @@ def serving_token_budget(on_cpu: bool) -> int:
     return 512 if on_cpu else SchedulerConfig.max_num_batched_tokens
 
 
+QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization: layers/quantization.py
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs, resolved. `model` is a path or an embedded model name."""
@@ -307,10 +310,17 @@ class EngineConfig:
     generation_config: str = "auto"
     # no tokenizer (vLLM's skip_tokenizer_init): prompts come as token ids, outputs carry ids only
     skip_tokenizer_init: bool = False
+    # GPU: run every step eagerly, no CUDA graphs for decode steps (engine/cuda_graphs.py)
+    enforce_eager: bool = False
+    # the layers' linear weights quantized after loading: None or "fp8" (layers/quantization.py)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose one of "
+                              f"{', '.join(QUANTIZATION_METHODS)}")
         if self.parallel.dp_attention:
             raise ConfigError("dp_attention is a layout `shardserve plan` prices; the engine does not run it")
 

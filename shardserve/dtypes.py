@@ -7,7 +7,8 @@ the simulator run without it.
     float32    4       4         yes
     bfloat16   2       2         yes
     float16    2       2         yes (GPU only: the engine refuses it on CPU)
-    float8     1       1         no: the planner prices it; no kernel takes it
+    float8     1       1         no: the planner prices it; the engine's weights take it
+                                 through --quantization fp8 (layers/quantization.py)
     float4     0.5625  1         no: NVFP4 weights (4 bits + an fp8 scale per 16 values); the KV
                                  cache stays fp8, as the NVFP4 serving recipes keep it
 """

@@ -74,7 +74,13 @@ def write_tokenizer(folder: Path, vocab_size: int = 384) -> None:
     }))
 
 
-def write_tiny_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
+def write_tiny_checkpoint(folder: Path, family: str, seed: int = 0, well_conditioned: bool = False) -> Path:
+    """A random-weight checkpoint of `family`'s tiny shape. The default weights (std 0.2) make
+    logits far from uniform, and the model chaotic: bfloat16 rounding alone moves its logits by
+    5% (llama3) to 50% (qwen3_moe), transformers' own bfloat16 against its float32, so two
+    correct bfloat16 implementations disagree as much. `well_conditioned` weights (std 0.02, as
+    real models start from, and MoE routers at std 1 so that no top-k choice is a near tie) bring
+    that to 0.7%: the checkpoints for comparisons made in bfloat16."""
     import transformers
 
     shape = dict(TINY_SHAPES[family])
@@ -82,10 +88,11 @@ def write_tiny_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
     config = getattr(transformers, cfg_name)(vocab_size=384, bos_token_id=0, eos_token_id=1, **shape)
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(config)
-    with torch.no_grad():  # larger weights than the init default, so logits are far from uniform
-        for p in model.parameters():
+    with torch.no_grad():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.2)
+                std = 0.2 if not well_conditioned else 1.0 if ".gate." in name else 0.02
+                p.normal_(0, std)
     model.save_pretrained(folder)
     write_tokenizer(folder)
     return folder

@@ -21,8 +21,7 @@ def engine_logits(engine, token_ids: list[int], chunk_size: int) -> torch.Tensor
             for start in range(0, len(token_ids), chunk_size):
                 n = min(chunk_size, len(token_ids) - start)
                 inputs = runner.prepare_inputs([ScheduledSeq(req.req_id, start, n, req.block_ids, False)])
-                hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache.layers, inputs.meta)
-                rows.append(runner.model.compute_logits(hidden))
+                rows.append(runner.model.compute_logits(runner.forward(inputs)))  # a decode graph's, on a GPU
     finally:
         engine.block_manager.free_request(req)
         del runner.states[req.req_id]

@@ -26,10 +26,13 @@ def scrape(base_url: str, name: str, default: float | None = None) -> float:
     return scrape_many(base_url, (name,), default)[name]
 
 
-def scrape_many(base_url: str, names: tuple[str, ...], default: float | None = None) -> dict[str, float]:
-    """`scrape` of several metrics from one read of /metrics."""
+def scrape_many(base_url: str, names: tuple[str, ...], default: float | None = None,
+                client: httpx.Client | None = None) -> dict[str, float]:
+    """`scrape` of several metrics from one read of /metrics (through `client`, a kept-alive
+    connection, when given)."""
     totals: dict[str, float] = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=5).text.splitlines():
+    text = (client.get(f"{base_url}/metrics") if client else httpx.get(f"{base_url}/metrics", timeout=5)).text
+    for line in text.splitlines():
         for name in names:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])

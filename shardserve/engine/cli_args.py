@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.config import SchedulerConfig
+from shardserve.config import QUANTIZATION_METHODS, SchedulerConfig
 from shardserve.dtypes import ENGINE_DTYPES
 
 
@@ -33,6 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(generation_config.json) or vLLM's (temperature 1, top_p 1)")
     parser.add_argument("--skip-tokenizer-init", action="store_true",
                         help="load no tokenizer (a checkpoint without one): prompts as token ids, no output text")
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                        help="fp8: the layers' linear weights in float8 with per-row scales, activations per "
+                             "token (Hopper/Ada GPUs; on a CPU a reference path, for tests)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="GPU: no CUDA graphs; every decode step launches its kernels one by one")
     par = parser.add_argument_group("parallelism (see docs/parallelism.md)")
     par.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     par.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
@@ -60,7 +65,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         pp_layer_partition=_int_list(args.pp_partition, "--pp-partition"),
         num_redundant_experts=args.num_redundant_experts,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
-        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads,
+        comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from shardserve.config import EngineConfig
+from shardserve.engine.cuda_graphs import decode_graphs
 from shardserve.engine.engine import LLMEngine
 from shardserve.engine.executor import LocalExecutor, ParallelExecutor, run_worker_loop
 from shardserve.engine.model_loader import load_model
@@ -30,7 +31,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     rank until the driver shuts down, then exits the process: it does not return there."""
     if config.parallel.world_size == 1:
         loaded = load_model(config)
-        return LLMEngine(config, loaded, LocalExecutor(ModelRunner.for_model(loaded)), thread_governor(config))
+        graphs = decode_graphs(loaded, config.scheduler.max_num_seqs, config.enforce_eager)
+        return LLMEngine(config, loaded, LocalExecutor(ModelRunner.for_model(loaded, graphs)), thread_governor(config))
     # a bad path or an impossible layout fails here, in one line, before any rank starts
     config.parallel.validate(load_checkpoint(config.model).config)
     ranks = start_ranks(config, run_worker)

@@ -69,7 +69,7 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
         model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups, attention)
     show_progress = config.show_progress and groups.is_driver
     model.load_weights(checkpoint.iter_lazy_tensors(show_progress=show_progress))
-    model.prepack()
+    model.prepack(config.quantization)
     model.eval()
     if device.type == "cpu":
         _return_freed_heap()

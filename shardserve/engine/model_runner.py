@@ -8,6 +8,7 @@ from typing import Callable, Protocol
 import torch
 
 from shardserve.config import ModelConfig
+from shardserve.engine.cuda_graphs import DecodeGraphs
 from shardserve.engine.grammar import Grammars, bitmask_words
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.kv_cache import KVCache
@@ -63,7 +64,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
                  eos_token_ids: tuple[int, ...], device: torch.device, attention: AttentionBackend,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, graphs: DecodeGraphs | None = None):
         self.model = model
         self.model_config = model_config
         self.kv_cache = kv_cache
@@ -71,15 +72,16 @@ class ModelRunner:
         self.device = device
         self.attention = attention
         self.grammars = grammars  # for requests with structured outputs
+        self.graphs = graphs  # decode steps replayed from CUDA graphs (GPU, one process)
         self.states: dict[str, SamplingState] = {}
         if device.type == "cpu":  # compiled now (then cached on disk), not while a first request waits
             build_all()
 
     @classmethod
-    def for_model(cls, loaded) -> "ModelRunner":
+    def for_model(cls, loaded, graphs: DecodeGraphs | None = None) -> "ModelRunner":
         """The runner of a loaded model (engine/model_loader.py's LoadedModel)."""
         return cls(loaded.model, loaded.model_config, loaded.kv_cache, loaded.eos_token_ids, loaded.device,
-                   loaded.attention, loaded.grammars)
+                   loaded.attention, loaded.grammars, graphs)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, stage: "Stage | None" = None) -> ModelRunnerOutput:
@@ -98,8 +100,14 @@ class ModelRunner:
         self.record(sampled)
         return ModelRunnerOutput(sampled)
 
+    def forward(self, inputs: "StepInputs", hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's output rows of one step: replayed from a decode graph where one covers it."""
+        if hidden_in is None and self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, hidden_in)
+
     def _run_stage(self, inputs: "StepInputs", hidden_in: torch.Tensor | None, stage: "Stage") -> dict[str, SampledToken]:
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, hidden_in)
+        hidden = self.forward(inputs, hidden_in)
         if not stage.is_last:
             stage.send(hidden)
             return {}

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardserve.layers.cpu_kernels import load_panel_linear
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
+from shardserve.layers.quantization import Fp8Weight
 
 
 def default_weight_loader(param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id=None) -> None:
@@ -121,7 +122,7 @@ class Linear(nn.Module):
         self.input_slice = input_slice  # None: all columns
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_shard
-        self.packed: PackedWeight | None = None
+        self.packed: PackedWeight | Fp8Weight | None = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(output_sizes), dtype=dtype), requires_grad=False)
@@ -141,9 +142,10 @@ class Linear(nn.Module):
         size = self.output_sizes[shard_id] if shard_id is not None else param.shape[0]
         copy_checked(param.data.narrow(0, start, size), data.to(param.dtype))
 
-    def prepack(self) -> None:
-        """Switch to the packed weight (after loading); the plain copy is released."""
-        self.packed = prepack_weight(self.weight)
+    def prepack(self, quantization: str | None = None) -> None:
+        """Switch to the packed weight (after loading), or to its `quantization` ("fp8":
+        layers/quantization.py); the plain copy is released."""
+        self.packed = Fp8Weight(self.weight) if quantization == "fp8" else prepack_weight(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 

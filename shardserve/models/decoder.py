@@ -153,11 +153,14 @@ class DecoderModel(nn.Module):
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.greedy_tokens(hidden)
 
-    def prepack(self) -> None:
-        """Repack matmul weights for the device's fastest kernels; call once, after loading."""
+    def prepack(self, quantization: str | None = None) -> None:
+        """Repack matmul weights for the device's fastest kernels, the layers' linear weights in
+        `quantization` where one is given (the LM head stays as it is); call once, after loading."""
         for module in self.modules():
-            if isinstance(module, (Linear, ParallelLMHead)):
+            if isinstance(module, ParallelLMHead):
                 module.prepack()
+            elif isinstance(module, Linear):
+                module.prepack(quantization)
         if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.embed_tokens.share_rows_of(self.lm_head.packed)
         self.flat_layers = FlatLayers.build(self)

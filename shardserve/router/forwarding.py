@@ -30,6 +30,7 @@ from shardserve.router.policies import RoutingPolicy
 from shardserve.router.replica_pool import Replica, ReplicaPool, ReplicaState
 from shardserve.router.retry import Attempt, Attempts, Outcome, ReplicaBusy, ReplicaFailed
 from shardserve.router.stream_relay import StreamRelay, StreamRequest, Upstream
+from shardserve.router.transport_errors import TRANSPORT_ERRORS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,7 +120,7 @@ class Forwarder:
             response = await unless_ejected(replica, self.client.post(
                 f"{replica.url}{path}", json=body,
                 timeout=httpx.Timeout(self.config.first_token_timeout_s, connect=self.config.probe_timeout_s)))
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
         if response.status_code == 429:
             raise ReplicaBusy()
@@ -159,7 +160,7 @@ class Forwarder:
                 # a frozen replica still accepts connections: its headers are waited for only
                 # until the health checks eject it
                 response = await unless_ejected(replica, self.client.send(request, stream=True))
-            except httpx.HTTPError as exc:
+            except TRANSPORT_ERRORS as exc:
                 raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
             if response.status_code == 429 or response.status_code >= 500:
                 await response.aclose()

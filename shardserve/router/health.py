@@ -13,6 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shardserve.router.replica_pool import LoadSignals, Replica, ReplicaPool, ReplicaState
+from shardserve.router.transport_errors import TRANSPORT_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class HealthMonitor:
         except httpx.TimeoutException:
             # slow to answer but still streaming to us: busy, not dead
             healthy = self.clock() - replica.last_data_at < self.timeout_s
-        except httpx.HTTPError:
+        except TRANSPORT_ERRORS:
             healthy = False
         if not healthy:
             was = replica.state
@@ -64,7 +65,7 @@ class HealthMonitor:
                 models = (await self.client.get(f"{replica.url}/v1/models", timeout=self.timeout_s)).json()
                 replica.info = (models.get("data") or [{}])[0]
             text = (await self.client.get(f"{replica.url}/metrics", timeout=self.timeout_s)).text
-        except (httpx.HTTPError, ValueError):
+        except (*TRANSPORT_ERRORS, ValueError):
             return  # load signals stay as they were; health is the probe's business
         replica.load = parse_load(text)
 

@@ -27,6 +27,7 @@ from shardserve.router.admission import RouterError
 from shardserve.router.migration import StreamProgress, not_resumable, sse
 from shardserve.router.retry import Attempt, Attempts, ReplicaFailed
 from shardserve.router.stall_watchdog import StallWatchdog
+from shardserve.router.transport_errors import TRANSPORT_ERRORS
 from shardserve.server.protocol import error_body
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class StreamRelay:
                 replica.last_data_at = watchdog.last_data_at
                 yield sse(progress.observe(chunk))
             failure = "the stream ended without [DONE]"
-        except (httpx.HTTPError, httpx.StreamError) as exc:  # StreamClosed: the watchdog closed it
+        except (*TRANSPORT_ERRORS, httpx.StreamError) as exc:  # StreamClosed: the watchdog closed it
             failure = f"the stream broke: {type(exc).__name__} {exc}"
         finally:
             watch.cancel()

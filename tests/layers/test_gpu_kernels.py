@@ -3,6 +3,8 @@ Without a GPU they run in Triton's interpreter on the CPU (tests/conftest.py set
 kernels a GPU compiles, checked here in CI."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -13,10 +15,24 @@ from shardserve.layers.attention.paged_kv import SeqSpan, write_kv as reference_
 from shardserve.layers.attention.torch_backend import TorchAttention  # noqa: E402
 from shardserve.layers.attention.triton_backend import TritonAttention  # noqa: E402
 from shardserve.layers.experts import Experts, route  # noqa: E402
-from shardserve.layers.gpu_kernels import elementwise, fused_moe, paged_attention  # noqa: E402
+from shardserve.layers.gpu_kernels import elementwise, fp8_linear, fused_moe, paged_attention  # noqa: E402
 from shardserve.layers.norm import RMSNorm  # noqa: E402
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.fixture(autouse=True)
+def on_the_gpu_when_there_is_one():
+    """On a GPU host (benchmarks/gpu_check.py) the same tests run compiled: every tensor they make
+    is a CUDA tensor."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.set_default_device("cuda")
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
 
 
 def reference_norm(x, delta, weight, eps):
@@ -38,6 +54,14 @@ def test_add_rms_norm_matches_the_reference_and_updates_the_stream(dtype, tol, w
     # the residual add landed in place (in bfloat16 within one rounding: the interpreter truncates
     # float32 -> bfloat16 where a GPU rounds to nearest)
     torch.testing.assert_close(x, expected_x, atol=0, rtol=0 if dtype == torch.float32 else 2**-7)
+
+
+def test_rms_norm_of_each_head_normalizes_every_row_of_a_3d_input():
+    # the q/k norm of qk-norm models (Qwen3): [tokens, heads, head_dim], one row per head
+    torch.manual_seed(3)
+    x, weight = torch.randn(4, 3, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+    expected = reference_norm(x.reshape(12, 16).clone(), None, weight, 1e-6).reshape(4, 3, 16)
+    torch.testing.assert_close(elementwise.add_rms_norm(x, None, weight, 1e-6), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
@@ -72,6 +96,16 @@ def test_write_kv_matches_the_reference():
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
 
 
+def test_write_kv_leaves_out_the_padding_rows_of_slot_minus_one():
+    torch.manual_seed(4)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    expected_k, expected_v = torch.zeros(2, 6, 8, 8), torch.zeros(2, 6, 8, 8)
+    reference_write_kv(expected_k, expected_v, k[[0, 2]], v[[0, 2]], torch.tensor([17, 40]))
+    got_k, got_v = torch.zeros(2, 6, 8, 8), torch.zeros(2, 6, 8, 8)
+    elementwise.write_kv(got_k, got_v, k, v, torch.tensor([17, -1, 40]))
+    assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
+
+
 class Cache:
     def __init__(self, tensor):
         self.tensor = tensor
@@ -91,10 +125,15 @@ def _step(backend, cache_tensor, spans, num_decodes, qkv, heads, scale):
     return backend.forward(qkv, cos_sin, cache.tensor, backend.build_metadata(spans, num_decodes, cache), heads, scale)
 
 
+@pytest.mark.parametrize("tiles", [None, (64, 64), (32, 32)], ids=["default", "64x64", "32x32"])
 @pytest.mark.parametrize("dtype, tol", DTYPES)
-def test_a_mixed_step_matches_the_torch_backend(dtype, tol):
+def test_a_mixed_step_matches_the_torch_backend(dtype, tol, tiles, monkeypatch):
     """Long decodes cut into several splits, a chunk over a cached prefix and a whole prompt,
-    GQA with 3 query heads per KV head, blocks scattered over the pool."""
+    GQA with 3 query heads per KV head, blocks scattered over the pool; prefill tiles of other
+    query and key counts than the default (keys from several pages, a tile past a chunk's end)."""
+    if tiles is not None:
+        monkeypatch.setattr(paged_attention, "prefill_attention", functools.partial(
+            paged_attention.prefill_attention, block_m=tiles[0], block_n=tiles[1]))
     torch.manual_seed(4)
     heads, kv_heads, dim, block_size, num_blocks = 6, 2, 16, 16, 64
     cache = torch.randn(2, kv_heads, num_blocks, block_size, dim, dtype=dtype)  # earlier tokens, already cached
@@ -116,9 +155,22 @@ def test_decode_splits_merge_to_the_same_answer():
     q = torch.randn(3, 2, 32)
     tables = torch.randperm(32)[:30].view(3, 10).to(torch.int32)
     lens = torch.tensor([160, 97, 1], dtype=torch.int32)
-    whole = paged_attention.decode_attention(q, cache[0], cache[1], tables, lens, 0.2, 160, blocks_per_split=64)
-    split = paged_attention.decode_attention(q, cache[0], cache[1], tables, lens, 0.2, 160, blocks_per_split=3)
+    whole = paged_attention.decode_attention(q, cache[0], cache[1], tables, lens, 0.2, num_splits=1)
+    split = paged_attention.decode_attention(q, cache[0], cache[1], tables, lens, 0.2, num_splits=5, block_n=16)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", DTYPES)
+def test_fp8_weight_linear_is_the_product_with_the_dequantized_weight(dtype, tol):
+    from shardserve.layers.quantization import Fp8Weight
+
+    torch.manual_seed(6)
+    weight = Fp8Weight(torch.randn(96, 80))  # 80: a K that no tile divides
+    for rows in (1, 3, fp8_linear.MAX_ROWS):
+        x = torch.randn(rows, 80, dtype=dtype)
+        expected = (x.float() @ weight.dequantized().t()).to(dtype)
+        got = fp8_linear.fp8_weight_linear(x, weight.data, weight.scale.view(-1))
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
 def test_align_pairs_groups_each_expert_in_whole_blocks():

@@ -61,6 +61,11 @@ def unreachable(body: dict) -> httpx.Response:
     raise httpx.ConnectError("connection refused")
 
 
+def died_while_connecting(body: dict) -> httpx.Response:
+    """What httpcore over anyio raised when a SIGKILLed replica closed a connection being set up."""
+    raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+
 def hang(arrived: asyncio.Event) -> Behaviour:
     """Never answers; `arrived` is set once the request is on the replica."""
     async def respond(body: dict) -> httpx.Response:

@@ -8,8 +8,10 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 
+import httpx
 import jsonschema
 import openai
 
@@ -98,26 +100,34 @@ def test_killed_replica_mid_stream_loses_nothing(tiny_checkpoints):
             killed = []
             generated_before = {url: scrape(url, GENERATED, 0.0) for url in urls}
 
-            def kill_midway(num_chunks: int) -> None:
-                # the victim: a replica in the middle of its share of this run -- it runs requests and
-                # has generated between an eighth and half of its share of the tokens. The
-                # replicas' own counters, not this client's chunks, say when: the client may lag far
-                # behind them (a fast replica can be done with its streams while the router still
-                # relays them), and a replica starved of the cores may not have started its streams.
-                # Killing either would test a retry, or nothing. Looked at every 16th chunk: each
-                # look blocks this client's event loop for a few ms.
-                if killed or num_chunks % 16:
-                    return
-                share = NUM_REQUESTS * MAX_TOKENS / len(urls)
-                for url in urls:
-                    now = scrape_many(url, (GENERATED, RUNNING), 0.0)
-                    if now[RUNNING] > 0 and share / 8 <= now[GENERATED] - generated_before[url] < share / 2:
-                        os.killpg(processes[url].pid, signal.SIGKILL)
-                        killed.append({"url": url, "running": now[RUNNING]})
-                        return
+            run_over = threading.Event()
+            seen: dict[str, list[tuple[float, float]]] = {url: [] for url in urls}  # (running, generated) polled
 
-            faulted = asyncio.run(run_all(router_url, model, kill_midway, constrained=True))
-            assert killed, "the replica was never killed"
+            def kill_midway() -> None:
+                # the victim: the first replica seen running requests after it generated an eighth of
+                # its share of this run's tokens -- mid-stream by its own counters. A thread polls them,
+                # not this client's chunk callbacks: the client may lag far behind the replicas (a fast
+                # replica can be past its streams' middle before the client's first chunks arrive).
+                share = NUM_REQUESTS * MAX_TOKENS / len(urls)
+                with httpx.Client(timeout=5) as http:
+                    while not run_over.is_set():
+                        for url in urls:
+                            now = scrape_many(url, (GENERATED, RUNNING), 0.0, http)
+                            seen[url].append((now[RUNNING], now[GENERATED] - generated_before[url]))
+                            if now[RUNNING] > 0 and now[GENERATED] - generated_before[url] >= share / 8:
+                                os.killpg(processes[url].pid, signal.SIGKILL)
+                                killed.append({"url": url, "running": now[RUNNING]})
+                                return
+                        time.sleep(0.005)
+
+            watcher = threading.Thread(target=kill_midway)
+            watcher.start()
+            try:
+                faulted = asyncio.run(run_all(router_url, model, constrained=True))
+            finally:
+                run_over.set()
+                watcher.join()
+            assert killed, f"the replica was never killed; (running, generated) polled: {seen}"
             assert [text for text, _, _ in faulted] == [text for text, _, _ in reference]
             for spec, (text, _, _) in zip(requests(constrained=True), faulted):
                 if spec["constrained"]:

@@ -10,7 +10,8 @@ import pytest
 from shardserve.router.admission import RouterError
 from shardserve.router.replica_pool import ReplicaState
 from tests.router.fake_replicas import (answer, broken, busy, cancel_while_on_first_replica, client_error,
-                                        FakeReplicas, hang, in_flight, make_forwarder, metric, unreachable)
+                                        died_while_connecting, FakeReplicas, hang, in_flight, make_forwarder, metric,
+                                        unreachable)
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 1, "temperature": 0}
 ALL_IDLE = {"http://r0": 0, "http://r1": 0, "http://r2": 0}
@@ -41,6 +42,14 @@ def test_failures_are_retried_elsewhere_and_eject_after_n():
     states = {url: r.state for url, r in forwarder.pool.replicas.items()}
     assert states == {"http://r0": "ejected", "http://r1": "ejected", "http://r2": "healthy"}
     assert complete(forwarder)[0] == 200 and replicas.urls_received()[-1] == "http://r2"
+    assert in_flight(forwarder) == ALL_IDLE
+
+
+def test_a_replica_dying_while_the_connection_is_set_up_is_a_failure_retried_elsewhere():
+    replicas = FakeReplicas({"http://r0": died_while_connecting, "http://r1": answer, "http://r2": answer})
+    forwarder = make_forwarder(replicas)
+    assert complete(forwarder)[0] == 200 and replicas.urls_received() == ["http://r0", "http://r1"]
+    assert forwarder.pool.replicas["http://r0"].consecutive_failures == 1
     assert in_flight(forwarder) == ALL_IDLE
 
 

@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from tests.router.fake_replicas import (broken, busy, cancel_while_on_first_replica, client_error, FakeReplicas,
-                                        hang, in_flight, make_forwarder, metric, stream, unreachable)
+from tests.router.fake_replicas import (broken, busy, cancel_while_on_first_replica, client_error,
+                                        died_while_connecting, FakeReplicas, hang, in_flight, make_forwarder, metric,
+                                        stream, unreachable)
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 6, "temperature": 0, "stream": True}
 ALL_IDLE = {"http://r0": 0, "http://r1": 0, "http://r2": 0}
@@ -62,8 +63,9 @@ def test_a_broken_stream_resumes_on_another_replica_from_the_tokens_sent():
     assert in_flight(forwarder) == ALL_IDLE
 
 
-def test_busy_replicas_are_skipped_and_failed_ones_counted_before_the_first_byte():
-    replicas = FakeReplicas({"http://r0": busy, "http://r1": broken, "http://r2": stream()})
+@pytest.mark.parametrize("failure", [broken, died_while_connecting])
+def test_busy_replicas_are_skipped_and_failed_ones_counted_before_the_first_byte(failure):
+    replicas = FakeReplicas({"http://r0": busy, "http://r1": failure, "http://r2": stream()})
     forwarder = make_forwarder(replicas)
     assert text(asyncio.run(open_and_read(forwarder))) == "t0 t1 t2 t3 t4 t5 "
     assert replicas.urls_received() == ["http://r0", "http://r1", "http://r2"]

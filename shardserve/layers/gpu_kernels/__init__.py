@@ -21,6 +21,15 @@ def dot_f32(dtype) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and dtype != torch.float32
 
 
+def dot_precision(dtype) -> str:
+    """tl.dot's input precision for activations of `dtype`: float32 ones multiply in full float32
+    ("ieee"), not the TF32 a GPU would use by default (10 mantissa bits: ~1e-3 off a float32
+    reference, where a float32 engine is asked to agree to 1e-5)."""
+    import torch
+
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @functools.cache
 def triton_available() -> bool:
     try:

@@ -33,8 +33,10 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, num_cols, eps,
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] (the residual stream, updated in place by `delta` when given) -> normalized [T, H]."""
-    num_rows, num_cols = x.shape
+    """x [..., H] contiguous (the residual stream, updated in place by `delta` when given) ->
+    normalized [..., H]; each row of H is one program (a per-head q/k norm passes [T, heads, D])."""
+    num_cols = x.shape[-1]
+    num_rows = x.numel() // num_cols
     out = torch.empty_like(x)
     _add_rms_norm_kernel[(num_rows,)](x, delta if delta is not None else x, weight, out, num_cols, eps,
                                       HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(num_cols))
@@ -100,15 +102,17 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_token_
     token, head = tl.program_id(0), tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM)
     slot = tl.load(slots_ptr + token).to(tl.int64)
+    keep = dims < tl.where(slot >= 0, HEAD_DIM, 0)  # slot -1: a padding row of a CUDA graph, not stored
     dst = head * cache_head_stride + slot * HEAD_DIM + dims
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + token * k_token_stride + head * k_head_stride + dims))
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * v_token_stride + head * v_head_stride + dims))
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + token * k_token_stride + head * k_head_stride + dims), mask=keep)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * v_token_stride + head * v_head_stride + dims), mask=keep)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Store new keys/values: k, v [T, KV, D] (any token and head strides, unit stride inside a
-    head) into caches [KV, num_blocks, block_size, D] at `slots` [T] (paged_kv.slot_mapping)."""
+    head) into caches [KV, num_blocks, block_size, D] at `slots` [T] (paged_kv.slot_mapping); a
+    token whose slot is -1 is left out."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens:
         cache_head_stride = k_cache.shape[1] * k_cache.shape[2] * head_dim

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.layers.gpu_kernels import dot_f32
+from shardserve.layers.gpu_kernels import dot_f32, dot_precision
 from shardserve.layers.gpu_kernels.elementwise import silu_and_mul
 
 
@@ -27,7 +27,7 @@ from shardserve.layers.gpu_kernels.elementwise import silu_and_mul
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
                         num_pairs, n_size, k_size, top_k, a_row_stride, w_expert_stride, w_row_stride,
                         ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     m_block, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_experts_ptr + m_block).to(tl.int64)
     if expert < 0:
@@ -50,7 +50,7 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_p
                     mask=col_valid[None, :] & k_valid[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(a, w).to(tl.float32)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION).to(tl.float32)
     if MUL_WEIGHT:  # the expert's output rounded as the reference's linear rounds it, then weighted
         weight = tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0)
         acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
@@ -100,13 +100,13 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, sl
     _expert_gemm_kernel[(num_blocks, triton.cdiv(width2, block_n))](
         x, gate_up, h, sorted_pairs, block_experts, pair_weights, num_pairs, width2, hidden, top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), ROWS_ARE_TOKENS=True, MUL_WEIGHT=False,
-        DOT_F32=dot_f32(x.dtype),
+        DOT_F32=dot_f32(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     act = silu_and_mul(h)  # [P, I]
     out = torch.zeros((num_pairs, hidden), dtype=torch.float32, device=x.device)
     _expert_gemm_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, down, out, sorted_pairs, block_experts, pair_weights, num_pairs, hidden, act.shape[1], top_k,
         act.stride(0), down.stride(0), down.stride(1), ROWS_ARE_TOKENS=False, MUL_WEIGHT=True,
-        DOT_F32=dot_f32(x.dtype),
+        DOT_F32=dot_f32(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
