@@ -9,7 +9,8 @@ from shardserve import SamplingParams
 from shardserve.engine.thread_governor import ThreadGovernor, ThreadPolicy, candidate_counts
 from shardserve.llm import LLM
 
-POLICY = ThreadPolicy(max_threads=2, probe_every=20, first_probe_after=4, probe_steps=3, min_gain=0.1)
+POLICY = ThreadPolicy(max_threads=2, probe_every=20, max_probe_every=160, first_probe_after=4, probe_steps=3,
+                      min_gain=0.1)
 
 
 class FakeHost:
@@ -52,10 +53,40 @@ def test_a_contended_host_moves_to_one_thread_and_back_when_it_quiets():
     assert applied == [2, 1, 2, 1, 2, 1] * 2  # set only when the count changes
 
 
-def test_a_gain_under_min_gain_does_not_switch():
+def probe_starts(threads_seen: list[int]) -> list[int]:
+    """The steps where a probe began (its first 1-thread step is its second), while 2 threads
+    are the count."""
+    return [i - 1 for i, n in enumerate(threads_seen) if n == 1 and (i < 2 or threads_seen[i - 2] != 1)]
+
+
+def test_a_gain_under_min_gain_does_not_switch_and_probes_back_off():
     gov, _ = governor()
-    FakeHost(gov, {2: 0.010, 1: 0.0095}).run(100)
-    assert gov.current == 2 and gov.num_switches == 0 and gov.num_probes == 4  # after steps 10, 36, 62, 88
+    host = FakeHost(gov, {2: 0.010, 1: 0.0095})
+    host.run(700)
+    assert gov.current == 2 and gov.num_switches == 0
+    # each probe that keeps the count doubles the wait after it: 40, 80, 160, then 160 (the cap)
+    assert probe_starts(host.threads_seen) == [4, 4 + 6 + 40, 50 + 6 + 80, 136 + 6 + 160, 302 + 6 + 160,
+                                               468 + 6 + 160]
+
+
+def test_steps_grown_costlier_bring_the_next_probe_forward():
+    gov, _ = governor()
+    host = FakeHost(gov, {2: 0.006, 1: 0.009})
+    host.run(142 + 30)  # probes at 4, 50 and 136 kept 2 threads: the next is due at 142 + 160
+    assert gov.current == 2 and probe_starts(host.threads_seen) == [4, 50, 136]
+    host.per_token_s = {2: 0.020, 1: 0.011}  # a neighbour arrives, 30 steps after the last probe ...
+    host.run(3 + 6 + 2)  # ... three costlier steps of the last five say so: a probe at once, not at 302
+    assert host.threads_seen[172:] == [2, 2, 2] + [2, 1] * 3 + [1, 1]
+    assert gov.current == 1 and gov.num_switches == 1
+
+
+def test_a_rise_waits_probe_every_steps_after_the_last_probe():
+    gov, _ = governor()
+    host = FakeHost(gov, {2: 0.006, 1: 0.009})
+    host.run(142 + 2)
+    host.per_token_s = {2: 0.020, 1: 0.011}  # 2 steps after a probe: the next one waits until 20
+    host.run(18 + 6)
+    assert host.threads_seen[144:] == [2] * 18 + [2, 1] * 3 and gov.current == 1
 
 
 def test_steps_are_compared_per_token_with_a_fixed_overhead():
