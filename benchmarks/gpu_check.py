@@ -9,7 +9,8 @@
    MBU = (weights + KV read) / step time / the device's measured copy bandwidth;
    prefill of 1k, 4k and 16k tokens with MFU = FLOPs / time / the measured bf16 matmul rate.
 3. fp8 weights (`--quantization fp8`): the same decode steps with the layers' weights in fp8;
-   fp8_speedup_b1 = the bf16 batch-1 step time / the fp8 one.
+   fp8_speedup_b1 = the bf16 batch-1 step time / the fp8 one (fp8_speedup_b1_gemv: with the
+   other decode kernel, gpu_kernels/fp8_linear.py's "gemv"), and each linear shape alone at one row.
 4. serving: `shardserve serve` of the embedded model on the GPU and `shardserve bench` at
    concurrency 32, output tokens/s and TTFT/TPOT.
 
@@ -256,6 +257,22 @@ def fp8_decode(model, kv, attention, cache, config, batches, context, bf16_weigh
             out["decode"][batch] = {"step_ms": step_s * 1e3, "tok_s": batch / step_s,
                                     "mbu": read / step_s / peaks["copy_bytes_s"]}
     del graphs
+    try:  # batch 1 again with the other decode kernel (fp8_linear.py's "gemv")
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.packed.decode_kernel = "gemv"
+        graphs = DecodeGraphs(model, kv.layers, attention, cache, 1, context + 64)
+        with torch.inference_mode():
+            spans = [SeqSpan(context, 1, list(range(blocks_per_seq)))]
+            meta = attention.build_metadata(spans, 1, cache)
+            ids = torch.randint(0, config.vocab_size, (1,), device="cuda")
+            pos = torch.full((1,), context, device="cuda")
+            out["gemv_b1_step_ms"] = timed_cuda(lambda: model.compute_logits(graphs.run(ids, pos, meta)), 10) * 1e3
+        for m in linears:
+            m.packed.decode_kernel = "dot"
+        del graphs
+    except Exception as exc:
+        out["gemv_b1_error"] = f"{type(exc).__name__}: {exc}"
     try:
         out["linear_m1"] = fp8_linear_shapes(config)
     except Exception as exc:
@@ -282,6 +299,8 @@ def fp8_linear_shapes(config) -> dict:
         xq, xs = quantize_rows(x)
         times = {"bf16": timed_graph(lambda: F.linear(x, w), 20),
                  "fp8_triton": timed_graph(lambda: fp8_weight_linear(x, fp8.data, fp8.scale.view(-1)), 20),
+                 "fp8_triton_gemv": timed_graph(lambda: fp8_weight_linear(x, fp8.data, fp8.scale.view(-1), "gemv"),
+                                                20),
                  "fp8_scaled_mm_gemm": timed_graph(lambda: torch._scaled_mm(xq, fp8.data.t(), scale_a=xs,
                                                                            scale_b=fp8.scale, out_dtype=x.dtype), 20)}
         out[f"{n}x{k}"] = {name: {"us": s * 1e6, "gb_s": n * k * (2 if name == "bf16" else 1) / s / 1e9}
@@ -367,9 +386,11 @@ def main() -> int:
     decode = report.get("throughput", {}).get("decode", {})
     prefill = report.get("throughput", {}).get("prefill", {})
     fp8 = report.get("throughput", {}).get("fp8", {}).get("decode", {})
+    fp8_gemv_ms = report.get("throughput", {}).get("fp8", {}).get("gemv_b1_step_ms")
     result = {
         "mbu_b1": decode.get(1, {}).get("mbu"), "mfu_prefill_4k": prefill.get(4096, {}).get("mfu"),
         "fp8_speedup_b1": (decode[1]["step_ms"] / fp8[1]["step_ms"]) if 1 in decode and 1 in fp8 else None,
+        "fp8_speedup_b1_gemv": (decode[1]["step_ms"] / fp8_gemv_ms) if 1 in decode and fp8_gemv_ms else None,
         "max_rel_logit_err": report.get("correctness", {}).get("max_rel_logit_err"),
         "decode_tok_s": {b: d.get("tok_s") for b, d in decode.items()},
         "serve_output_tok_s_c32": report.get("serving", {}).get("output_throughput_tok_s"),

@@ -24,21 +24,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def _decode_rows() -> int:
-    """The most rows the weight-only decode kernel takes (0 without Triton)."""
+def _decode_kernels():
+    """The weight-only decode kernels' module (gpu_kernels/fp8_linear.py), None without Triton."""
     from shardserve.layers.gpu_kernels import triton_available
 
     if not triton_available():
-        return 0
-    from shardserve.layers.gpu_kernels.fp8_linear import MAX_ROWS
+        return None
+    from shardserve.layers.gpu_kernels import fp8_linear
 
-    return MAX_ROWS
+    return fp8_linear
 
 
 class Fp8Weight:
     """A Linear's weight [out, in] in fp8; `linear(x, bias)` is x W^T (+ b), as PackedWeight's."""
 
     fuses_silu_mul = False  # the panel kernel's fused SwiGLU is a CPU bf16/fp32 epilogue
+    decode_kernel = "dot"  # fp8_linear's kernel for up to GEMV_MAX_ROWS rows: "dot" or "gemv"
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
@@ -48,10 +49,10 @@ class Fp8Weight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.is_cuda and rows.shape[0] <= _decode_rows():  # a decode step: weight-only, one kernel
-            from shardserve.layers.gpu_kernels.fp8_linear import fp8_weight_linear
-
-            y = fp8_weight_linear(rows.contiguous(), self.data, self.scale.view(-1))
+        kernels = _decode_kernels() if rows.is_cuda else None
+        if kernels is not None and rows.shape[0] <= kernels.MAX_ROWS:  # a decode step: weight-only, one kernel
+            kernel = self.decode_kernel if rows.shape[0] <= kernels.GEMV_MAX_ROWS else "dot"
+            y = kernels.fp8_weight_linear(rows.contiguous(), self.data, self.scale.view(-1), kernel)
         else:
             xq, x_scale = quantize_rows(rows)
             y = torch._scaled_mm(xq, self.data.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)

@@ -162,15 +162,17 @@ def test_decode_splits_merge_to_the_same_answer():
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
 def test_fp8_weight_linear_is_the_product_with_the_dequantized_weight(dtype, tol):
+    """Both decode kernels, at one row, a few and the most each takes."""
     from shardserve.layers.quantization import Fp8Weight
 
     torch.manual_seed(6)
     weight = Fp8Weight(torch.randn(96, 80))  # 80: a K that no tile divides
-    for rows in (1, 3, fp8_linear.MAX_ROWS):
-        x = torch.randn(rows, 80, dtype=dtype)
-        expected = (x.float() @ weight.dequantized().t()).to(dtype)
-        got = fp8_linear.fp8_weight_linear(x, weight.data, weight.scale.view(-1))
-        torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    for kernel, max_rows in (("dot", fp8_linear.MAX_ROWS), ("gemv", fp8_linear.GEMV_MAX_ROWS)):
+        for rows in sorted({1, 3, max_rows}):
+            x = torch.randn(rows, 80, dtype=dtype)
+            expected = (x.float() @ weight.dequantized().t()).to(dtype)
+            got = fp8_linear.fp8_weight_linear(x, weight.data, weight.scale.view(-1), kernel)
+            torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
 def test_align_pairs_groups_each_expert_in_whole_blocks():
