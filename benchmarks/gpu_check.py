@@ -21,6 +21,16 @@ Budget: under 8 minutes on an H200.
 
     python benchmarks/gpu_check.py [--quick] [--serve-model DIR]
     python benchmarks/gpu_check.py --export-embedded-shape DIR   # here, before: what travels to the device
+
+On this workplace's lent H200 (session 21: torch 2.11, Triton 3.6, transformers 5.17 there, no
+registry): the packages its image lacks travel as cp312 wheels in `.whl/` (fastapi, starlette,
+pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api, uvicorn, httptools,
+gguf, llguidance; `pip download --no-deps --only-binary=:all: --python-version 3.12` per the device
+tool's README), the serve model's shape in `.gpu_carry/` (both git-excluded, both carried), and
+one call does it all in about 2 minutes (`--quick`):
+
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    python3 benchmarks/gpu_check.py --quick --serve-model .gpu_carry/smollm2_shape
 """
 from __future__ import annotations
 
@@ -149,6 +159,22 @@ class _Cache:
         self.num_kv_heads, self.device = kv.layers[0].shape[1], kv.layers[0].device
 
 
+@torch.inference_mode()
+def decode_step_s(model, graphs, kv, attention, cache, vocab_size: int, batch: int, context: int) -> float:
+    """Seconds of one decode step of `batch` sequences at `context` tokens each (their blocks
+    side by side in the pool), with the LM head: replayed from `graphs`, or eager when None."""
+    from shardserve.layers.attention.paged_kv import SeqSpan
+
+    blocks_per_seq = -(-(context + 1) // 16)
+    spans = [SeqSpan(context, 1, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch)]
+    meta = attention.build_metadata(spans, batch, cache)
+    ids = torch.randint(0, vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), context, device="cuda")
+    if graphs is None:
+        return timed_cuda(lambda: model.compute_logits(model(ids, pos, kv.layers, meta)), 10)
+    return timed_cuda(lambda: model.compute_logits(graphs.run(ids, pos, meta)), 10)
+
+
 def throughput(peaks: dict, quick: bool) -> dict:
     from shardserve.engine.cuda_graphs import DecodeGraphs
     from shardserve.layers.attention.paged_kv import SeqSpan
@@ -161,7 +187,6 @@ def throughput(peaks: dict, quick: bool) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_token_bytes = config.kv_bytes_per_token(2)
     out: dict = {"weight_bytes": weight_bytes, "decode": {}, "prefill": {}}
-    blocks_per_seq = -(-(context + 1) // 16)
     t0 = time.perf_counter()
     try:  # without graphs the eager figures still come
         graphs = DecodeGraphs(model, kv.layers, attention, cache, max(batches), context + 64)
@@ -170,18 +195,14 @@ def throughput(peaks: dict, quick: bool) -> dict:
         graphs = None
         out["graph_error"] = f"{type(exc).__name__}: {exc}"
         out["graph_traceback"] = traceback.format_exc()[-2000:]
+    for batch in batches:
+        eager_s = decode_step_s(model, None, kv, attention, cache, config.vocab_size, batch, context)
+        step_s = (decode_step_s(model, graphs, kv, attention, cache, config.vocab_size, batch, context)
+                  if graphs else eager_s)
+        read = weight_bytes + batch * context * kv_token_bytes
+        out["decode"][batch] = {"step_ms": step_s * 1e3, "tok_s": batch / step_s,
+                                "mbu": read / step_s / peaks["copy_bytes_s"], "eager_step_ms": eager_s * 1e3}
     with torch.inference_mode():
-        for batch in batches:
-            spans = [SeqSpan(context, 1, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
-                     for i in range(batch)]
-            meta = attention.build_metadata(spans, batch, cache)
-            ids = torch.randint(0, config.vocab_size, (batch,), device="cuda")
-            pos = torch.full((batch,), context, device="cuda")
-            eager_s = timed_cuda(lambda: model.compute_logits(model(ids, pos, kv.layers, meta)), 10)
-            step_s = timed_cuda(lambda: model.compute_logits(graphs.run(ids, pos, meta)), 10) if graphs else eager_s
-            read = weight_bytes + batch * context * kv_token_bytes
-            out["decode"][batch] = {"step_ms": step_s * 1e3, "tok_s": batch / step_s,
-                                    "mbu": read / step_s / peaks["copy_bytes_s"], "eager_step_ms": eager_s * 1e3}
         for tokens in prefills:
             meta = attention.build_metadata([SeqSpan(0, tokens, list(range(-(-tokens // 16))))], 0, cache)
             ids = torch.randint(0, config.vocab_size, (tokens,), device="cuda")
@@ -236,43 +257,31 @@ def fp8_decode(model, kv, attention, cache, config, batches, context, bf16_weigh
     """The same decode steps with the layers' weights in fp8 (--quantization fp8), through graphs;
     MBU counts the bytes the fp8 model reads (its layers' weights at one byte, the head's at two)."""
     from shardserve.engine.cuda_graphs import DecodeGraphs
-    from shardserve.layers.attention.paged_kv import SeqSpan
     from shardserve.layers.linear import Linear
 
     model.prepack("fp8")
     torch.cuda.empty_cache()
-    weight_bytes = bf16_weight_bytes - sum(m.packed.data.numel() for m in model.modules() if isinstance(m, Linear))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    weight_bytes = bf16_weight_bytes - sum(m.packed.data.numel() for m in linears)
     graphs = DecodeGraphs(model, kv.layers, attention, cache, max(batches), context + 64)
-    blocks_per_seq = -(-(context + 1) // 16)
     out: dict = {"weight_bytes": weight_bytes, "decode": {}}
-    with torch.inference_mode():
-        for batch in batches:
-            spans = [SeqSpan(context, 1, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
-                     for i in range(batch)]
-            meta = attention.build_metadata(spans, batch, cache)
-            ids = torch.randint(0, config.vocab_size, (batch,), device="cuda")
-            pos = torch.full((batch,), context, device="cuda")
-            step_s = timed_cuda(lambda: model.compute_logits(graphs.run(ids, pos, meta)), 10)
-            read = weight_bytes + batch * context * config.kv_bytes_per_token(2)
-            out["decode"][batch] = {"step_ms": step_s * 1e3, "tok_s": batch / step_s,
-                                    "mbu": read / step_s / peaks["copy_bytes_s"]}
+    for batch in batches:
+        step_s = decode_step_s(model, graphs, kv, attention, cache, config.vocab_size, batch, context)
+        read = weight_bytes + batch * context * config.kv_bytes_per_token(2)
+        out["decode"][batch] = {"step_ms": step_s * 1e3, "tok_s": batch / step_s,
+                                "mbu": read / step_s / peaks["copy_bytes_s"]}
     del graphs
     try:  # batch 1 again with the other decode kernel (fp8_linear.py's "gemv")
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
         for m in linears:
             m.packed.decode_kernel = "gemv"
         graphs = DecodeGraphs(model, kv.layers, attention, cache, 1, context + 64)
-        with torch.inference_mode():
-            spans = [SeqSpan(context, 1, list(range(blocks_per_seq)))]
-            meta = attention.build_metadata(spans, 1, cache)
-            ids = torch.randint(0, config.vocab_size, (1,), device="cuda")
-            pos = torch.full((1,), context, device="cuda")
-            out["gemv_b1_step_ms"] = timed_cuda(lambda: model.compute_logits(graphs.run(ids, pos, meta)), 10) * 1e3
-        for m in linears:
-            m.packed.decode_kernel = "dot"
+        out["gemv_b1_step_ms"] = decode_step_s(model, graphs, kv, attention, cache, config.vocab_size, 1, context) * 1e3
         del graphs
     except Exception as exc:
         out["gemv_b1_error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for m in linears:
+            m.packed.decode_kernel = "dot"
     try:
         out["linear_m1"] = fp8_linear_shapes(config)
     except Exception as exc:

@@ -103,7 +103,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_token_
     dims = tl.arange(0, HEAD_DIM)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     keep = dims < tl.where(slot >= 0, HEAD_DIM, 0)  # slot -1: a padding row of a CUDA graph, not stored
-    dst = head * cache_head_stride + slot * HEAD_DIM + dims
+    dst = head.to(tl.int64) * cache_head_stride + slot * HEAD_DIM + dims  # past 2^31 in a large pool
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + token * k_token_stride + head * k_head_stride + dims), mask=keep)
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * v_token_stride + head * v_head_stride + dims), mask=keep)
 

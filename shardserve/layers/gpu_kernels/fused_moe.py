@@ -27,7 +27,8 @@ from shardserve.layers.gpu_kernels.elementwise import silu_and_mul
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, pair_weights_ptr,
                         num_pairs, n_size, k_size, top_k, a_row_stride, w_expert_stride, w_row_stride,
                         ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_F32: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     m_block, n_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_experts_ptr + m_block).to(tl.int64)
     if expert < 0:

@@ -27,6 +27,36 @@ from shardserve.layers.gpu_kernels import dot_f32, dot_precision
 
 
 @triton.jit
+def _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table_ptr, k_pos, in_range, visible, head_offset, scale,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of keys into the online softmax (m, l, acc) of q's rows [R, D]: the keys at
+    positions `k_pos` [N] (those `in_range`), each read from its page through the sequence's block
+    table at `table_ptr`, in the KV head at `head_offset` of the caches; `visible` [R, N] masks the
+    scores. Returns the updated (m, l, acc)."""
+    dims = tl.arange(0, HEAD_DIM)
+    block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=in_range, other=0)
+    slots = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+    kv_rows = head_offset + slots[:, None] * HEAD_DIM + dims[None, :]
+    k = tl.load(k_cache_ptr + kv_rows, mask=in_range[:, None], other=0.0)  # [N, D]
+    if DOT_F32:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [R, N]
+    scores = tl.where(visible, scores, -float("inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    v = tl.load(v_cache_ptr + kv_rows, mask=in_range[:, None], other=0.0)
+    if DOT_F32:
+        v = v.to(tl.float32)
+    # the probabilities rounded to the activation dtype, as the reference's SDPA feeds PV
+    p_dot = p.to(v_cache_ptr.dtype.element_ty)
+    if DOT_F32:
+        p_dot = p_dot.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION).to(tl.float32)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
                            m_ptr, l_ptr, acc_ptr, scale, q_seq_stride, q_head_stride, table_stride,
                            cache_head_stride, num_heads, num_splits, group_size,
@@ -53,26 +83,10 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, co
     for start in range(first, last, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         in_range = k_pos < last
-        block = tl.load(block_tables_ptr + seq * table_stride + k_pos // BLOCK_SIZE, mask=in_range, other=0)
-        slots = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
-        kv_rows = kv_head * cache_head_stride + slots[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_rows, mask=in_range[:, None], other=0.0)  # [BLOCK_N, D]
-        if DOT_F32:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [GROUP, BLOCK_N]
-        scores = tl.where(in_range[None, :], scores, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))  # key `start` is in range: finite
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        v = tl.load(v_cache_ptr + kv_rows, mask=in_range[:, None], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        p_dot = p.to(v_cache_ptr.dtype.element_ty)  # rounded as the reference's SDPA feeds PV
-        if DOT_F32:
-            p_dot = p_dot.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION).to(tl.float32)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        # key `start` is in range: every row's running max is finite from the first tile on
+        m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * table_stride,
+                                 k_pos, in_range, in_range[None, :], kv_head.to(tl.int64) * cache_head_stride, scale,
+                                 BLOCK_SIZE, HEAD_DIM, DOT_F32, DOT_PRECISION)
     part = (seq * num_heads + heads) * num_splits + split  # [GROUP]
     tl.store(m_ptr + part, m, mask=member_valid)
     tl.store(l_ptr + part, l, mask=member_valid)
@@ -169,31 +183,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, chunk_starts_ptr, 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     last_pos = tl.minimum(context_len - chunk_len + m_block * BLOCK_M + BLOCK_M, context_len)  # keys < this
     for start in range(0, last_pos, BLOCK_N):
-        # BLOCK_N keys from BLOCK_N / BLOCK_SIZE pages: each key's page through the block table
         k_pos = start + tl.arange(0, BLOCK_N)
         in_range = k_pos < last_pos
-        block = tl.load(block_tables_ptr + chunk * table_stride + k_pos // BLOCK_SIZE, mask=in_range, other=0)
-        slots = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
-        kv_rows = kv_head * cache_head_stride + slots[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_rows, mask=in_range[:, None], other=0.0)  # [BLOCK_N, D]
-        if DOT_F32:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
-        visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
-        scores = tl.where(visible, scores, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))  # key 0 is visible to every row: finite
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        v = tl.load(v_cache_ptr + kv_rows, mask=in_range[:, None], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        # the probabilities rounded to the activation dtype, as the reference's SDPA feeds PV
-        p_dot = p.to(v_cache_ptr.dtype.element_ty)
-        if DOT_F32:
-            p_dot = p_dot.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION).to(tl.float32)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]  # key 0 is visible to every row
+        m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + chunk * table_stride,
+                                 k_pos, in_range, visible, kv_head.to(tl.int64) * cache_head_stride, scale,
+                                 BLOCK_SIZE, HEAD_DIM, DOT_F32, DOT_PRECISION)
     out = acc / l[:, None]
     tl.store(out_ptr + (token_start + rows)[:, None] * num_heads * HEAD_DIM + head * HEAD_DIM + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
