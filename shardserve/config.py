@@ -314,6 +314,10 @@ class EngineConfig:
     enforce_eager: bool = False
     # the layers' linear weights quantized after loading: None or "fp8" (layers/quantization.py)
     quantization: str | None = None
+    # kernels whose result for a token does not depend on its batch nor on whether prefill or
+    # decode computed it (a resumed stream continues exactly); False also allows faster ones
+    # that are not (the AMX prefill attention tiles: csrc/paged_prefill_attention.cpp)
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:

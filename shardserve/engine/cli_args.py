@@ -38,6 +38,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "token (Hopper/Ada GPUs; on a CPU a reference path, for tests)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="GPU: no CUDA graphs; every decode step launches its kernels one by one")
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                        help="a token's result independent of its batch and of prefill vs decode, so a stream "
+                             "resumed elsewhere continues exactly (default); --no-deterministic allows faster "
+                             "kernels that are not (AMX prefill attention on CPUs that have AMX)")
     par = parser.add_argument_group("parallelism (see docs/parallelism.md)")
     par.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     par.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
@@ -66,7 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_redundant_experts=args.num_redundant_experts,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, enforce_eager=args.enforce_eager,
-        quantization=args.quantization,
+        quantization=args.quantization, deterministic=args.deterministic,
     )
 
 

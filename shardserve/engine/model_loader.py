@@ -64,7 +64,7 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if device.type == "cpu":  # the native kernels, all at once, before the layers ask for them one by one
         build_all()
-    attention = attention_backend(device)
+    attention = attention_backend(device, deterministic=config.deterministic)
     with torch.device(device):
         model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups, attention)
     show_progress = config.show_progress and groups.is_driver

@@ -45,3 +45,26 @@ def test_resumed_request_continues_exactly(engine, params, cut):
 def test_resume_without_budget_is_rejected(engine):
     with pytest.raises(InvalidRequestError, match="no token budget left"):
         engine.add_request("r", "hi", SamplingParams(max_tokens=2), resume=Resume((5, 6)))
+
+
+@pytest.fixture(scope="module")
+def bf16_llm():
+    from shardserve.llm import LLM
+    return LLM("smollm2", dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512, show_progress=False)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=104, temperature=0, ignore_eos=True),
+                                    SamplingParams(max_tokens=104, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_bf16_resume_from_k_tokens_is_exact(bf16_llm, params):
+    """The embedded model served as `make serve` does (bfloat16): a request recomputed from its
+    prompt and its first k tokens (the prefill path, a prefix-cache hit for the prompt) continues
+    with the tokens the uninterrupted run decoded one step at a time."""
+    prompts = [bf16_llm.tokenizer.encode(text) for text in
+               ("Write a short poem about the sea:", "Explain how a CPU cache works.", "List three uses of copper.")]
+    prompts.append(list(range(1000, 1150)))  # a long prompt: several key blocks before the first token
+    full = [out.outputs[0].token_ids for out in bf16_llm.generate(prompts, params)]
+    for k in (1, 16, 100):
+        rest = SamplingParams(**{**params.__dict__, "max_tokens": params.max_tokens - k})
+        resumed = bf16_llm.generate([p + f[:k] for p, f in zip(prompts, full)], rest)
+        assert [out.outputs[0].token_ids for out in resumed] == [f[k:] for f in full], f"k={k}"

@@ -154,6 +154,39 @@ def test_native_prefill_rows_do_not_depend_on_chunking_or_batch():
     assert torch.equal(torch.cat(pieces), whole)
 
 
+@pytest.mark.parametrize("dtype, heads, kv_heads, dim", [
+    pytest.param(torch.bfloat16, 9, 3, 64, marks=_native_prefill(torch.bfloat16, 64)),
+    pytest.param(torch.float32, 9, 3, 64, marks=_native_prefill(torch.float32, 64)),
+    pytest.param(torch.bfloat16, 16, 2, 128, marks=_native_prefill(torch.bfloat16, 128)),
+    pytest.param(torch.bfloat16, 4, 4, 80, marks=_native_prefill(torch.bfloat16, 80))])
+def test_native_decode_gives_the_bits_of_a_prefill(dtype, heads, kv_heads, dim):
+    """What exact resume needs: each token decoded one step at a time (in a batch of other
+    decodes, or beside a prefill chunk) has the bits of the same token computed by one prefill
+    over the whole sequence, and by a prefill after a cached prefix."""
+    torch.manual_seed(0)
+    backend = attention_backend(torch.device("cpu"), "cpu_native")
+    block_size, num_blocks, n, prompt = 16, 32, 70, 20
+    q, k, v = (torch.randn(n, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+    table = list(range(5))
+    fresh = lambda: Cache(torch.zeros(2, kv_heads, num_blocks, block_size, dim, dtype=dtype))  # noqa: E731
+    whole = run(backend, fresh(), [SeqSpan(0, n, table)], 0, q, k, v, dim**-0.5)
+    cache = fresh()
+    run(backend, cache, [SeqSpan(0, prompt, table)], 0, q[:prompt], k[:prompt], v[:prompt], dim**-0.5)
+    other = [torch.randn(1, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads)]
+    side = [torch.randn(9, h, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads)]
+    decoded = []
+    for t in range(prompt, n):  # this sequence, another decode, and every 5th step a prefill chunk
+        spans = [SeqSpan(t, 1, table), SeqSpan(t % 40, 1, list(range(10, 13)))]
+        parts = [torch.cat([x[t:t + 1], o]) for x, o in zip((q, k, v), other)]
+        if t % 5 == 0:
+            spans.append(SeqSpan(0, 9, list(range(20, 21))))
+            parts = [torch.cat([p, s]) for p, s in zip(parts, side)]
+        decoded.append(run(backend, cache, spans, 2, *parts, dim**-0.5)[:1])
+    assert torch.equal(torch.cat(decoded), whole[prompt:])
+    hit = run(backend, cache, [SeqSpan(40, n - 40, table)], 0, q[40:], k[40:], v[40:], dim**-0.5)
+    assert torch.equal(hit, whole[40:])
+
+
 def test_split_by_length_bounds_padding_and_group_count():
     assert split_by_length([4, 4, 4]) == [(0, 3)]
     assert split_by_length([40, 39, 10, 9, 9, 2]) == [(0, 2), (2, 5), (5, 6)]

@@ -28,10 +28,10 @@ class AttentionBackend(Protocol):
         """[T, H + 2 KV, D] -> [T, H, D]; this step's keys and values are stored on the way."""
 
 
-def attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+def attention_backend(device: torch.device, name: str | None = None, deterministic: bool = True) -> AttentionBackend:
     """The backend `name`, or the fastest one for `device`: the native CPU kernels on a CPU
     where they built, the Triton kernels on a GPU where Triton is installed, the torch reference
-    path elsewhere."""
+    path elsewhere. `deterministic`: EngineConfig.deterministic (the CPU kernels' choice)."""
     from shardserve.layers.attention.cpu_backend import CpuNativeAttention
     from shardserve.layers.attention.torch_backend import TorchAttention
     from shardserve.layers.attention.triton_backend import TritonAttention
@@ -44,4 +44,4 @@ def attention_backend(device: torch.device, name: str | None = None) -> Attentio
             name = "triton" if device.type == "cuda" and TritonAttention.available() else "torch"
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(backends)}")
-    return backends[name]()
+    return CpuNativeAttention(deterministic) if name == "cpu_native" else backends[name]()

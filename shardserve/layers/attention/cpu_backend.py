@@ -7,6 +7,10 @@
     prefill chunks      with AVX-512, one native call for every chunk, keys and values read in
                         place as the decodes' are (csrc/paged_prefill_attention.cpp: 1.6-2.4x
                         SDPA's speed at 128-1,024 tokens); elsewhere the reference path's SDPA
+
+With AVX-512 both native kernels run one arithmetic per query row (csrc/attention_rows.h): a
+token's output has the same bits whether a decode step or a prefill (a resumed request, a
+prefix-cache hit, a later chunk) computed it.
 """
 from __future__ import annotations
 
@@ -47,7 +51,9 @@ class CpuAttentionMetadata:
 class CpuNativeAttention:
     name = "cpu_native"
 
-    def __init__(self):
+    def __init__(self, deterministic: bool = True):
+        # AMX tiles for prefill attention only when results may differ from the decode kernel's
+        self.prefill_tiles = not deterministic
         decode_kernel = load_paged_decode_attention()
         if decode_kernel is None:
             raise RuntimeError("the native CPU attention kernel is not available (no toolchain, or disabled)")
@@ -97,7 +103,7 @@ class CpuNativeAttention:
         if meta.prefill_tables is not None:
             tables = meta.prefill_tables
             tables.kernel(q.contiguous(), kv_cache[0], kv_cache[1], tables.block_table, tables.query_starts,
-                   tables.query_lens, tables.context_lens, scale, out)
+                   tables.query_lens, tables.context_lens, scale, out, self.prefill_tiles)
         else:
             v = qkv[:, num_heads + k.shape[1] :]
             attend_prefills(out, q, k, v, kv_cache, meta.prefills, scale)
