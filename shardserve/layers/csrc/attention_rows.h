@@ -36,7 +36,7 @@ inline bool supported(int64_t head_dim) { return head_dim % 16 == 0 && head_dim 
 // The 16 lanes' sums of v[0..15], in key order: one vector per 16 keys instead of a horizontal
 // sum per key. Each key's lanes are added in the same tree whatever the other keys are:
 // (l_i + l_i+8), then + the partner 4 apart, 2 apart, 1 apart.
-inline __m512 sum_lanes16(const __m512 v[16]) {
+__attribute__((always_inline)) inline __m512 sum_lanes16(const __m512 v[16]) {
   __m512 a[8], b[4], c[2];
   for (int m = 0; m < 8; ++m)  // halves: [key 2m: 8 sums | key 2m+1: 8 sums]
     a[m] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * m], v[2 * m + 1], 0x44),
@@ -128,13 +128,16 @@ inline void score16_fixed(const T* q, const T* const* keys, int64_t chunk, float
 }
 
 // 32 scores of each of `rows` rows (s: 32 a row)
+// (only the first 16 when the other 16 are all past the context: every row masks them)
 template <typename T>
-inline void score_rows(const T* const* q_rows, int64_t rows, const T* const* keys, int64_t head_dim, float* s) {
+inline void score_rows(const T* const* q_rows, int64_t rows, const T* const* keys, int64_t num_keys,
+                       int64_t head_dim, float* s) {
   const int64_t chunk = dot_chunk<T>(head_dim);
   auto each = [&](auto fn) {
     for (int64_t r = 0; r < rows; ++r) {
       fn(q_rows[r], keys, s + r * kKeys);
-      fn(q_rows[r], keys + 16, s + r * kKeys + 16);
+      if (num_keys > 16) fn(q_rows[r], keys + 16, s + r * kKeys + 16);
+      else _mm512_storeu_ps(s + r * kKeys + 16, _mm512_setzero_ps());
     }
   };
   switch (head_dim / chunk) {
@@ -193,14 +196,14 @@ inline void online_softmax(float* s, int64_t rows, const int64_t* row_pos, int64
 // o[r] = o[r] * alpha[r] + sum_j p[r][j] * v[j] for RN rows of ND 16-lane vectors each, v[j] a
 // row of the cache (or the zero row)
 template <int ND, int RN, typename T>
-inline void accumulate_block(const float* p, const T* const* v, const float* alpha, float* o) {
+inline void accumulate_block(const float* p, const T* const* v, int64_t keys, const float* alpha, float* o) {
   constexpr int64_t head_dim = ND * 16;
   __m512 acc[RN][ND];
 #pragma GCC unroll 12
   for (int r = 0; r < RN; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < kKeys; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     __m512 vj[ND];
 #pragma GCC unroll 8
     for (int c = 0; c < ND; ++c) vj[c] = load16(v[j] + c * 16);
@@ -225,35 +228,40 @@ inline void accumulate_block(const float* p, const T* const* v, const float* alp
 // rows of o in register blocks of RN = 24 / ND rows (24 accumulators), the remainder as one
 // block (a decode's G rows are all remainder: each value row widened once for all of them)
 template <int ND, int RN = 24 / ND, typename T>
-inline void accumulate_rows(const float* p, const T* const* v, const float* alpha, float* o, int64_t rows) {
+inline void accumulate_rows(const float* p, const T* const* v, int64_t keys, const float* alpha, float* o,
+                            int64_t rows) {
   int64_t r = 0;
-  for (; r + RN <= rows; r += RN) accumulate_block<ND, RN>(p + r * kKeys, v, alpha + r, o + r * ND * 16);
+  for (; r + RN <= rows; r += RN) accumulate_block<ND, RN>(p + r * kKeys, v, keys, alpha + r, o + r * ND * 16);
   if constexpr (RN > 1) {
-    if (r < rows) accumulate_rows<ND, RN - 1>(p + r * kKeys, v, alpha + r, o + r * ND * 16, rows - r);
+    if (r < rows) accumulate_rows<ND, RN - 1>(p + r * kKeys, v, keys, alpha + r, o + r * ND * 16, rows - r);
   }
 }
 
 // The generic head_dim (a multiple of 16): one 16-lane chunk at a time, rows one by one; the same
 // sums in the same order as accumulate_block (each lane's own chain over j).
 template <typename T>
-inline void accumulate_any(const float* p, const T* const* v, const float* alpha, float* o, int64_t rows,
-                           int64_t head_dim) {
+inline void accumulate_any(const float* p, const T* const* v, int64_t keys, const float* alpha, float* o,
+                           int64_t rows, int64_t head_dim) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < head_dim; c += 16) {
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < kKeys; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kKeys + j]), load16(v[j] + c), acc);
+      for (int64_t j = 0; j < keys; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kKeys + j]), load16(v[j] + c), acc);
       float* dst = o + r * head_dim + c;
       _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), _mm512_set1_ps(alpha[r]), acc));
     }
 }
 
+// The block's first `keys` keys (those before the context): the rest would add p v = 0 x 0,
+// which leaves every sum as it is (a sum is never -0, it starts at +0), so where a block ends
+// changes no bits.
 template <typename T>
-inline void accumulate(int64_t head_dim, const float* p, const T* const* v, const float* alpha, float* o, int64_t rows) {
+inline void accumulate(int64_t head_dim, const float* p, const T* const* v, int64_t keys, const float* alpha,
+                       float* o, int64_t rows) {
   switch (head_dim) {
-    case 32: accumulate_rows<2>(p, v, alpha, o, rows); break;
-    case 64: accumulate_rows<4>(p, v, alpha, o, rows); break;
-    case 128: accumulate_rows<8>(p, v, alpha, o, rows); break;
-    default: accumulate_any(p, v, alpha, o, rows, head_dim); break;
+    case 32: accumulate_rows<2>(p, v, keys, alpha, o, rows); break;
+    case 64: accumulate_rows<4>(p, v, keys, alpha, o, rows); break;
+    case 128: accumulate_rows<8>(p, v, keys, alpha, o, rows); break;
+    default: accumulate_any(p, v, keys, alpha, o, rows, head_dim); break;
   }
 }
 
@@ -322,15 +330,16 @@ void attend_rows(const T* const* q_rows, int64_t rows, const int64_t* row_pos, c
   const int64_t num_blocks = *std::max_element(row_pos, row_pos + rows) / kKeys + 1;
   const T* keys[kKeys];
   const T* values[kKeys];
+  auto keys_in = [&](int64_t b) { return std::min(kKeys, context_len - b * kKeys); };
   auto score_block = [&](int64_t b, float* s) {
     block_rows(k_base, table, b, context_len, block_size, head_dim, keys);
-    score_rows(q_rows, rows, keys, head_dim, s);
+    score_rows(q_rows, rows, keys, keys_in(b), head_dim, s);
   };
   auto add_block = [&](int64_t b, float* s) {
     online_softmax(s, rows, row_pos, b, scale, ws.row_max.data(), ws.new_max.data(), ws.alpha.data(),
                    ws.row_sums.data());
     block_rows(v_base, table, b, context_len, block_size, head_dim, values);
-    accumulate(head_dim, s, values, ws.alpha.data(), ws.o.data(), rows);
+    accumulate(head_dim, s, values, keys_in(b), ws.alpha.data(), ws.o.data(), rows);
   };
   if (rows <= kFewRows) {
     // Few rows (a decode): every block's scores first, each block's values prefetched meanwhile,
