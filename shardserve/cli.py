@@ -101,7 +101,7 @@ def add_route_parser(sub) -> None:
     route.add_argument("--batch-capacity-fraction", type=float, default=0.5,
                        help="batch-class requests are admitted only below this share of the fleet's capacity")
     route.add_argument("--stall-timeout", type=float, default=10.0,
-                       help="seconds without data after which a stream moves to another replica")
+                       help="seconds without an event or a progress comment after which a stream moves to another replica")
     route.add_argument("--max-attempts", type=int, default=4, help="replicas one request may try")
     route.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
     route.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -10,6 +10,7 @@ from typing import Any
 
 from shardserve import param_counts
 from shardserve.parallel_config import ParallelConfig  # re-exported: the layout lives in its own module
+from shardserve.server.protocol import PROGRESS_INTERVAL_S
 
 # HF `architectures[0]` -> our family name. Families share one model implementation.
 HF_ARCHITECTURES = {
@@ -365,8 +366,11 @@ class RouterConfig:
     eject_after_failures: int = 3  # consecutive failed requests or probes
     eject_base_s: float = 2.0  # first ejection; doubles on each failed half-open probe
     eject_max_s: float = 30.0
-    stall_timeout_s: float = 10.0  # no byte for this long mid-stream: the replica stalled
-    first_token_timeout_s: float = 120.0  # before the first chunk (queueing and prefill)
+    # a stream with no event and no progress comment (replicas send one a second while their
+    # engine runs, also for a request still queued) for this long: the replica stalled
+    stall_timeout_s: float = 10.0
+    # a non-streamed request's answer; a resumed stream's wait for a replica with room
+    first_token_timeout_s: float = 120.0
     max_attempts: int = 4  # replicas one request may try (first try, retries and resumes)
     prefix_chars: int = 256  # prefix-aware routing keys on this much of the prompt
     prefix_load_slack: float = 1.25  # ... unless its replica is this much above the mean load
@@ -378,3 +382,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.max_outstanding_per_replica < 1:
             raise ConfigError("max_attempts and max_outstanding_per_replica must be at least 1")
+        if self.stall_timeout_s <= 2 * PROGRESS_INTERVAL_S:
+            raise ConfigError(f"stall_timeout_s must be above {2 * PROGRESS_INTERVAL_S:g} s: replicas send progress "
+                              f"every {PROGRESS_INTERVAL_S:g} s")

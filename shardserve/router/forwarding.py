@@ -38,8 +38,9 @@ T = TypeVar("T")
 
 class Forwarder:
     def __init__(self, config: RouterConfig, pool: ReplicaPool, policy: RoutingPolicy, client: httpx.AsyncClient,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic):
         self.config, self.pool, self.policy, self.client, self.metrics = config, pool, policy, client, metrics
+        self.clock = clock  # the streams' stall watchdogs and waits read it
         self.rng = random.Random()
         self.num_interactive = 0  # interactive requests in flight: batch work waits while there are any
 
@@ -117,7 +118,7 @@ class Forwarder:
 
     async def _post(self, replica: Replica, path: str, body: dict) -> tuple[int, dict]:
         try:
-            response = await unless_ejected(replica, self.client.post(
+            response = await unless_lost(replica, self.client.post(
                 f"{replica.url}{path}", json=body,
                 timeout=httpx.Timeout(self.config.first_token_timeout_s, connect=self.config.probe_timeout_s)))
         except TRANSPORT_ERRORS as exc:
@@ -134,15 +135,21 @@ class Forwarder:
     # --- streaming ----------------------------------------------------------------------------------
     async def open_stream(self, kind: str, path: str, body: dict, prefix: str,
                           received_at: float) -> tuple[int, dict | StreamRelay]:
-        """Find a replica that accepts the stream: (200, the client's byte stream, which the caller
-        must aclose()) or (status, error body) for a client error. The stream resumes elsewhere if
-        its replica fails."""
+        """Find a replica that starts the stream: (200, the client's byte stream, which the caller
+        must aclose()) or (status, error body) for a client error; RouterError when no replica
+        could start it. The stream resumes elsewhere if its replica fails."""
         attempts, progress = self.attempts(prefix), StreamProgress.for_request(kind, body)
         upstream = await self.start_stream(attempts, path, progress.next_body(body))
         self.metrics.added_latency.observe(time.monotonic() - received_at)
         status = upstream.response.status_code
         if status == 200:
-            return 200, StreamRelay(self, attempts, StreamRequest(path, body, progress), upstream)
+            relay = StreamRelay(self, attempts, StreamRequest(path, body, progress), upstream)
+            try:
+                await relay.open()  # up to the first token: a failure before it is still an HTTP status
+            except BaseException:
+                await relay.aclose()
+                raise
+            return 200, relay
         try:  # the client's mistake: the replica's answer as is
             answer = json.loads(await upstream.response.aread() or b"{}")
         finally:
@@ -158,8 +165,8 @@ class Forwarder:
                 None, connect=self.config.probe_timeout_s))
             try:
                 # a frozen replica still accepts connections: its headers are waited for only
-                # until the health checks eject it
-                response = await unless_ejected(replica, self.client.send(request, stream=True))
+                # until the health checks find it unresponsive or eject it
+                response = await unless_lost(replica, self.client.send(request, stream=True))
             except TRANSPORT_ERRORS as exc:
                 raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
             if response.status_code == 429 or response.status_code >= 500:
@@ -171,14 +178,16 @@ class Forwarder:
         return Upstream(attempt, response)
 
 
-async def unless_ejected(replica: Replica, awaitable):
-    """`awaitable`'s result, or ReplicaFailed as soon as the health checks eject `replica`."""
+async def unless_lost(replica: Replica, awaitable):
+    """`awaitable`'s result, or ReplicaFailed as soon as the health checks eject `replica` or find
+    it unresponsive (nothing sent, probe unanswered: frozen); the request has no answer yet, so
+    it is retried elsewhere."""
     task = asyncio.ensure_future(awaitable)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and replica.state is ReplicaState.EJECTED:
-                raise ReplicaFailed("replica ejected while the request was in flight")
+            if not task.done() and (replica.state is ReplicaState.EJECTED or not replica.responsive):
+                raise ReplicaFailed("replica ejected or unresponsive while the request was in flight")
         return task.result()
     finally:
         task.cancel()

@@ -1,7 +1,11 @@
 """Active health checks and load scraping. Every `probe_interval_s` each replica's /health is
 probed (a half-open replica's probe decides whether it is readmitted), and each healthy
 replica's /metrics is read for its queue, running batch and KV usage. Passive checks (failed or
-stalled requests) feed the same circuit breaker from the forwarding code."""
+stalled requests) feed the same circuit breaker from the forwarding code.
+
+A probe unanswered after one probe interval, from a replica none of whose streams sent anything
+meanwhile, makes the replica unresponsive (no new requests) at once; the probe's timeout
+(`probe_timeout_s`) still decides whether that counts as a failure."""
 from __future__ import annotations
 
 import asyncio
@@ -39,14 +43,22 @@ class HealthMonitor:
         await asyncio.gather(*(self.check(r) for r in replicas))
 
     async def check(self, replica: Replica) -> None:
+        probe = asyncio.ensure_future(self.client.get(f"{replica.url}/health", timeout=self.timeout_s))
         try:
-            response = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
+            await asyncio.wait({probe}, timeout=self.interval_s)
+            if not probe.done() and not self._streaming(replica):
+                if replica.responsive:
+                    log.warning("replica %s does not answer its probe: no new requests until it does", replica.url)
+                replica.responsive = False
+            response = await probe
             healthy = response.status_code == 200
         except httpx.TimeoutException:
             # slow to answer but still streaming to us: busy, not dead
             healthy = self.clock() - replica.last_data_at < self.timeout_s
         except TRANSPORT_ERRORS:
             healthy = False
+        finally:
+            probe.cancel()
         if not healthy:
             was = replica.state
             self.pool.record_failure(replica, self.clock())
@@ -54,10 +66,15 @@ class HealthMonitor:
                 log.warning("replica %s ejected (failed probe; next probe in %.0f s)", replica.url, replica.eject_s)
             return
         readmitted = replica.state is ReplicaState.HALF_OPEN
+        replica.responsive = True
         self.pool.record_success(replica)
         if readmitted:
             log.warning("replica %s readmitted", replica.url)
         await self.scrape(replica)
+
+    def _streaming(self, replica: Replica) -> bool:
+        """Whether one of its streams sent something within the last probe interval."""
+        return self.clock() - replica.last_data_at < self.interval_s
 
     async def scrape(self, replica: Replica) -> None:
         try:

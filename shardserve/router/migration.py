@@ -24,14 +24,18 @@ class StreamProgress:
     response_id: str | None = None
     created: int | None = None
     finished: bool = False  # a finish_reason was seen
+    roles_sent: set[int] = field(default_factory=set)  # chat choices whose role chunk the client has
 
     @classmethod
     def for_request(cls, kind: str, body: dict) -> "StreamProgress":
         return cls(kind, bool(body.get("return_token_ids")), kind == "completion" and bool(body.get("echo")))
 
-    def observe(self, chunk: dict) -> dict:
+    def observe(self, chunk: dict) -> dict | None:
         """Record one chunk from a replica; return it as the client should see it (the first
-        replica's id and timestamp, token ids only if the client asked for them)."""
+        replica's id and timestamp, token ids only if the client asked for them), or None when
+        the client has it already (a chat choice's role chunk again, from a retry)."""
+        if self.kind == "chat" and chunk.get("choices") and self._repeats_role(chunk):
+            return None
         if self.response_id is None:
             self.response_id, self.created = chunk.get("id"), chunk.get("created")
         else:
@@ -48,6 +52,19 @@ class StreamProgress:
             if choice.get("finish_reason"):
                 self.finished = True
         return chunk
+
+    def _repeats_role(self, chunk: dict) -> bool:
+        """Drop the role from choices whose role was sent; True if nothing else is left."""
+        empty = True
+        for choice in chunk["choices"]:
+            delta = choice.get("delta") or {}
+            if "role" in delta:
+                if choice.get("index", 0) in self.roles_sent:
+                    delta.pop("role")
+                self.roles_sent.add(choice.get("index", 0))
+            if any(delta.values()) or choice.get("finish_reason") or choice.get("token_ids") or "role" in delta:
+                empty = False
+        return empty
 
     def next_body(self, body: dict) -> dict:
         """The request to send to the next replica: the original, or a resume if tokens came."""

@@ -8,7 +8,10 @@ Circuit breaker per replica:
        +------- probe succeeds ------------+---- probe fails (backoff x2)+
 
 A replica that answers 429 is busy, not failing: that never counts against it. Nor does a probe
-that times out while the replica's streams are still sending data: it is busy, not dead. A draining
+that times out while the replica's streams are still sending data: it is busy, not dead. Apart
+from the breaker, a healthy replica whose probe has gone unanswered for a probe interval, with no
+stream sending anything either (frozen, e.g. SIGSTOP), is unresponsive: it gets no new requests
+until it answers again, long before the breaker would eject it. A draining
 replica is never ejected: it takes no new requests and leaves the pool once idle (`reap`).
 """
 from __future__ import annotations
@@ -52,10 +55,11 @@ class Replica:
     load: LoadSignals = field(default_factory=LoadSignals)
     info: dict = field(default_factory=dict)  # its /v1/models card: model, layout
     last_data_at: float = 0.0  # time.monotonic() of the last bytes it sent us (a busy replica still streams)
+    responsive: bool = True  # False while a probe has gone unanswered with no stream sending (health.py)
 
     @property
     def routable(self) -> bool:
-        return self.state is ReplicaState.HEALTHY
+        return self.state is ReplicaState.HEALTHY and self.responsive
 
     def saturated(self, max_outstanding: int) -> bool:
         """Whether it takes no more requests from this router (`max_outstanding_per_replica`)."""

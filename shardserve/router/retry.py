@@ -9,6 +9,7 @@ simulator's router (sync) both walk each request through an `Attempts`; neither 
                     no candidate left                 429 while some replica is routable, else 503
       settle()    ACCEPTED  it took the request: the lease is the caller's until the request ends
                   BUSY      it answered 429: lease released, try another; not a failure
+                            (forget_busy() makes the busy ones candidates again, for a wait)
                   FAILED    5xx, connection lost, stall, ejected: lease released, one failure on
                             its circuit breaker (ReplicaPool), try another
       succeeded() it answered in full: its breaker's count of failures starts again
@@ -56,6 +57,7 @@ class Attempts:
     def __init__(self, config: RouterConfig, pool: ReplicaPool, policy: RoutingPolicy, prefix: str):
         self.config, self.pool, self.policy, self.prefix = config, pool, policy, prefix
         self.tried: list[str] = []  # urls, in the order tried
+        self.busy: list[str] = []  # those of them that answered 429
 
     def next(self) -> Attempt:
         """The next replica to try, its lease taken; raises RouterError when there is none."""
@@ -83,7 +85,14 @@ class Attempts:
         attempt.lease.release()
         if outcome is Outcome.FAILED:
             self.pool.record_failure(attempt.replica)
+        else:
+            self.busy.append(attempt.replica.url)
         return False
+
+    def forget_busy(self) -> None:
+        """The replicas that were busy may be tried again (and count no more against max_attempts)."""
+        self.tried = [url for url in self.tried if url not in self.busy]
+        self.busy = []
 
     def succeeded(self, attempt: Attempt) -> None:
         self.pool.record_success(attempt.replica)

@@ -1,7 +1,10 @@
-"""Watching one replica stream for silence: the watchdog closes the replica's response when no
-data came for the stall timeout, or when the replica was ejected (by the health checks or another
-request's failure) and this stream too has been silent for a second; a stream still flowing stays
-put. The reader then sees the stream end and moves the request on (stream_relay.py)."""
+"""Watching one replica stream for silence: the watchdog closes the replica's response when
+nothing came for the stall timeout, or when the replica was ejected (by the health checks or
+another request's failure) and this stream too has been silent for a second; a stream still
+flowing stays put. The reader then sees the stream end and moves the request on
+(stream_relay.py). "Nothing" means no event and no progress comment: a replica sends one every
+second while its engine runs (protocol.PROGRESS_INTERVAL_S), also while the request waits in its
+queue or in a long prefill, so silence means a dead, frozen or hung replica, not a busy one."""
 from __future__ import annotations
 
 import asyncio
@@ -19,14 +22,14 @@ class StallWatchdog:
 
     def __init__(self, replica: Replica, response: httpx.Response, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic):
-        """`timeout_s` is the first deadline (the first token's); each chunk sets the next (touch)."""
+        """`timeout_s` is the first deadline; each event or progress comment sets the next (touch)."""
         self.replica, self.response, self.clock = replica, response, clock
         self.last_data_at = clock()
         self.deadline = self.last_data_at + timeout_s
         self.reason: str | None = None
 
     def touch(self, timeout_s: float) -> None:
-        """Data came: the stream may now stay silent for `timeout_s`."""
+        """Something came: the stream may now stay silent for `timeout_s`."""
         self.last_data_at = self.clock()
         self.deadline = self.last_data_at + timeout_s
 

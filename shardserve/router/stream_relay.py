@@ -2,10 +2,14 @@
 replica when that one fails.
 
     Forwarder.open_stream: the first replica that accepts (retry.py) -> StreamRelay
+    open():  events read up to the first token, before the client gets its 200: a failure
+      before it is retried on another replica, and when none can take the request the client
+      gets the router's 429 / 503 as its HTTP status, not an error after a 200
     relay:   the replica's SSE events, each recorded in StreamProgress (migration.py), then [DONE]
       fails mid-stream (broken connection, stall, error event, ejected): its attempt settles
       FAILED and the request goes on on the next replica the same Attempts gives, resumed from
-      the tokens the client has (n > 1 streams cannot resume: an error event ends them)
+      the tokens the client has (n > 1 streams cannot resume: an error event ends them); while
+      every other replica is busy it waits for room (up to first_token_timeout_s)
       no replica left: an error event and [DONE] (the client already has a 200)
 
 The relay holds one Upstream at a time: a replica's response and the lease on that replica.
@@ -62,9 +66,28 @@ class StreamRelay:
         self.forwarder, self.attempts, self.request = forwarder, attempts, request
         self.upstream: Upstream | None = upstream
         self._events = self._relay()
+        self._head: list[bytes] = []  # read by open(), not yet sent to the client
+        self.opened = False  # the client has its 200: errors now go in the stream
+
+    async def open(self) -> None:
+        """Read the events up to the first token (or the end). Raises RouterError when no replica
+        could start the stream: the caller answers it as the HTTP status."""
+        progress = self.request.progress
+        async for event in self._events:
+            self._head.append(event)
+            if progress.token_ids or progress.finished:
+                break
+        self.opened = True
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._events
+        return self._client_events()
+
+    async def _client_events(self) -> AsyncIterator[bytes]:
+        head, self._head = self._head, []
+        for event in head:
+            yield event
+        async for event in self._events:
+            yield event
 
     async def aclose(self) -> None:
         try:
@@ -93,6 +116,8 @@ class StreamRelay:
                 return
         except RouterError as exc:
             metrics.requests.labels(self.upstream.attempt.replica.url if self.upstream else "none", "failed").inc()
+            if not self.opened:
+                raise  # the client gets it as the answer's status
             yield sse(error_body(exc.status, exc.message))
             yield sse("[DONE]")
         finally:
@@ -109,8 +134,19 @@ class StreamRelay:
             if reason is not None:
                 raise RouterError(503, reason)
         await self._close_upstream()
-        self.upstream = await self.forwarder.start_stream(self.attempts, self.request.path,
-                                                          progress.next_body(self.request.body))
+        clock = self.forwarder.clock
+        wait_until = clock() + self.forwarder.config.first_token_timeout_s
+        while True:
+            try:
+                self.upstream = await self.forwarder.start_stream(self.attempts, self.request.path,
+                                                                  progress.next_body(self.request.body))
+                break
+            except RouterError as exc:
+                # mid-stream, every other replica busy: wait for room rather than fail the client
+                if not (mid_stream and exc.status == 429 and clock() < wait_until):
+                    raise
+                await asyncio.sleep(exc.retry_after_s or 1)
+                self.attempts.forget_busy()
         status = self.upstream.response.status_code
         if status != 200:
             raise RouterError(503, f"resuming on {self.upstream.attempt.replica.url} failed with HTTP {status}")
@@ -121,10 +157,14 @@ class StreamRelay:
         response when the replica stalls or is ejected, so the read loop itself stays plain."""
         config, progress = self.forwarder.config, self.request.progress
         replica, response = upstream.attempt.replica, upstream.response
-        watchdog = StallWatchdog(replica, response, config.first_token_timeout_s)
+        watchdog = StallWatchdog(replica, response, config.stall_timeout_s, self.forwarder.clock)
         watch = asyncio.ensure_future(watchdog.run())
         try:
             async for line in response.aiter_lines():
+                if not line:
+                    continue
+                watchdog.touch(config.stall_timeout_s)  # an event or the replica's progress comment
+                replica.last_data_at = watchdog.last_data_at
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: "):]
@@ -134,9 +174,9 @@ class StreamRelay:
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise ReplicaFailed(f"error event: {chunk['error'].get('message')}")
-                watchdog.touch(config.stall_timeout_s)
-                replica.last_data_at = watchdog.last_data_at
-                yield sse(progress.observe(chunk))
+                chunk = progress.observe(chunk)
+                if chunk is not None:
+                    yield sse(chunk)
             failure = "the stream ended without [DONE]"
         except (*TRANSPORT_ERRORS, httpx.StreamError) as exc:  # StreamClosed: the watchdog closed it
             failure = f"the stream broke: {type(exc).__name__} {exc}"

@@ -22,8 +22,8 @@ from shardserve import __version__
 from shardserve.request import InvalidRequestError, RequestOutput, Resume, StructuredOutputs
 from shardserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestSpec, RequestStream
 from shardserve.server.metrics import ServerMetrics
-from shardserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                       error_body)
+from shardserve.server.protocol import (ENGINE_STUCK_S, PROGRESS_COMMENT, PROGRESS_INTERVAL_S, ChatCompletionRequest,
+                                       CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body)
 from shardserve.server.responses import ResponseBuilder
 from shardserve.server.tool_calls import ToolCallFormat, forced_call_grammar, template_inputs, tool_format
 
@@ -199,7 +199,7 @@ def _submit(async_engine: AsyncEngine, specs: list[RequestSpec]) -> list[Request
 async def _answer(async_engine: AsyncEngine, call: Call, stream: bool, request: Request):
     streams = _submit(async_engine, call.specs)
     if stream:
-        return StreamingResponse(_sse(call, streams), media_type="text/event-stream")
+        return StreamingResponse(_sse(async_engine, call, streams), media_type="text/event-stream")
     collect = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
     try:
         while not collect.done():
@@ -223,9 +223,10 @@ async def _last(stream: RequestStream) -> RequestOutput:
     return out
 
 
-async def _sse(call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
-    """Interleave the choices' deltas as they come; `data: [DONE]` ends the stream. If the client
-    goes away, the generator is closed and `finally` aborts every unfinished request."""
+async def _sse(async_engine: AsyncEngine, call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """Interleave the choices' deltas as they come; `data: [DONE]` ends the stream; a progress
+    comment when nothing came for a while (protocol.PROGRESS_INTERVAL_S). If the client goes
+    away, the generator is closed and `finally` aborts every unfinished request."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
@@ -243,7 +244,12 @@ async def _sse(call: Call, streams: list[RequestStream]) -> AsyncIterator[str]:
             if prefix or (call.builder.kind == "chat" and not call.num_resumed_tokens):
                 yield _event(call.builder.chunk(index, None, prefix, first=True))
         while open_choices:
-            index, item = await merged.get()
+            try:
+                index, item = await asyncio.wait_for(merged.get(), PROGRESS_INTERVAL_S)
+            except TimeoutError:
+                if async_engine.making_progress(ENGINE_STUCK_S):
+                    yield PROGRESS_COMMENT
+                continue
             if item is None:
                 open_choices -= 1
                 continue

@@ -93,6 +93,7 @@ class AsyncEngine:
         self._num_pending = 0  # submitted, not yet handed to the scheduler
         self._num_waiting = 0  # the scheduler's waiting queue after the last step
         self._streams: dict[str, RequestStream] = {}
+        self.last_progress_at = time.monotonic()  # the loop's last pass (a step, or idle)
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,6 +124,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.error is None and self._running.is_set()
 
+    def making_progress(self, stuck_after_s: float) -> bool:
+        """Alive, and its loop passed within `stuck_after_s` (not hung inside one step)."""
+        return self.is_alive and time.monotonic() - self.last_progress_at < stuck_after_s
+
     # --- requests --------------------------------------------------------------------------------
     def submit(self, specs: list[RequestSpec]) -> list[RequestStream]:
         """Queue requests together (all or none). Raises EngineDeadError or QueueFullError."""
@@ -149,6 +154,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self.last_progress_at = time.monotonic()
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
                     self.engine.keep_alive()

@@ -68,3 +68,29 @@ def test_bf16_resume_from_k_tokens_is_exact(bf16_llm, params):
         rest = SamplingParams(**{**params.__dict__, "max_tokens": params.max_tokens - k})
         resumed = bf16_llm.generate([p + f[:k] for p, f in zip(prompts, full)], rest)
         assert [out.outputs[0].token_ids for out in resumed] == [f[k:] for f in full], f"k={k}"
+
+
+RESUME_MODES = {  # how the resumed request's prefix is recomputed
+    "prefix-cache": dict(enable_prefix_caching=True),  # the prompt's blocks hit the cache
+    "chunked": dict(enable_prefix_caching=False, max_num_batched_tokens=48),  # in chunks of <= 48 tokens
+}
+
+
+@pytest.mark.parametrize("mode", list(RESUME_MODES))
+@pytest.mark.parametrize("family", ["llama", "mixtral"], ids=["dense", "moe"])
+def test_bf16_resume_is_exact_on_tiny_dense_and_moe_models(tiny_checkpoints, family, mode):
+    """Random tiny models in bfloat16, 8 prompts of 3-150 tokens decoded together, greedy and
+    seeded: re-run from the prompt plus the first k tokens, each continues exactly."""
+    from shardserve.llm import LLM
+    import random
+    llm = LLM(str(tiny_checkpoints[family]), dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_model_len=512,
+              show_progress=False, **RESUME_MODES[mode])
+    rng = random.Random(family)
+    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (3, 9, 17, 33, 40, 64, 100, 150)]
+    for params in (SamplingParams(max_tokens=104, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=104, temperature=1.0, seed=5, ignore_eos=True)):
+        full = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+        for k in (1, 16, 100):
+            rest = SamplingParams(**{**params.__dict__, "max_tokens": params.max_tokens - k})
+            resumed = llm.generate([p + f[:k] for p, f in zip(prompts, full)], rest)
+            assert [out.outputs[0].token_ids for out in resumed] == [f[k:] for f in full], (params.temperature, k)

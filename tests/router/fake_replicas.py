@@ -132,11 +132,12 @@ def healthy_pool(config: RouterConfig) -> ReplicaPool:
     return pool
 
 
-def make_forwarder(replicas: FakeReplicas, policy: str = "least_outstanding", **settings) -> Forwarder:
+def make_forwarder(replicas: FakeReplicas, policy: str = "least_outstanding", clock: FakeClock | None = None,
+                   **settings) -> Forwarder:
     """A Forwarder over `replicas`, all healthy. least_outstanding tries idle replicas in url order."""
     config = RouterConfig(replicas=tuple(replicas.scripts), policy=policy, **settings)
     return Forwarder(config, healthy_pool(config), make_policy(policy, config.prefix_chars, config.prefix_load_slack),
-                     replicas.client(), RouterMetrics(policy))
+                     replicas.client(), RouterMetrics(policy), *([clock] if clock else []))
 
 
 def in_flight(forwarder: Forwarder) -> dict[str, int]:

@@ -142,3 +142,60 @@ def test_killed_replica_mid_stream_loses_nothing(tiny_checkpoints):
                   f"{p99([g for _, _, g in faulted]) * 1e3:.0f} ms; p99 end-to-end "
                   f"{p99([s for _, s, _ in reference]) * 1e3:.0f} -> {p99([s for _, s, _ in faulted]) * 1e3:.0f} ms)")
             assert migrated > 0, f"the killed replica ran {killed[0]['running']:.0f} streams, none resumed"
+
+
+def wait_idle(router_url: str, replica_urls: list[str], timeout_s: float = 10.0) -> dict:
+    """Poll until the router has nothing in flight and the replicas run nothing and hold no KV
+    blocks; the last reading either way."""
+    deadline, now = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{router_url}/admin/status", timeout=5).json()
+        now = {"router": {r["url"]: r["outstanding"] for r in status["replicas"]}}
+        for url in replica_urls:
+            now[url] = scrape_many(url, (RUNNING, "vllm:kv_cache_usage_perc"), 0.0)
+        if not any(now["router"].values()) and all(not any(now[url].values()) for url in replica_urls):
+            break
+        time.sleep(0.1)
+    return now
+
+
+def test_two_of_three_bf16_replicas_killed_one_after_the_other_lose_nothing(tiny_checkpoints):
+    """bfloat16 replicas (the dtype people serve), one SIGKILLed mid-stream and then, once its
+    streams run elsewhere, a second: every stream completes byte-identical to the fault-free run
+    with no client error, and nothing stays in flight or holds KV blocks afterwards."""
+    model = str(tiny_checkpoints["llama"])
+    with replicas(tiny_checkpoints["llama"], 3, "--dtype", "bfloat16") as fleet:
+        urls = [url for url, _ in fleet]
+        with router(urls, "--policy", "round_robin") as (router_url, _):
+            asyncio.run(run_all(router_url, model))  # warm-up
+            reference = asyncio.run(run_all(router_url, model))
+            processes, killed, run_over = dict(fleet), [], threading.Event()
+            before = {url: scrape(url, GENERATED, 0.0) for url in urls}
+
+            def kill_two() -> None:
+                # each victim: the next replica seen running streams once it generated a sixth of
+                # its share of the run (its own counters: mid-stream)
+                share = NUM_REQUESTS * MAX_TOKENS / len(urls)
+                with httpx.Client(timeout=5) as http:
+                    while not run_over.is_set() and len(killed) < 2:
+                        for url in [u for u in urls if u not in killed]:
+                            now = scrape_many(url, (GENERATED, RUNNING), 0.0, http)
+                            if now[RUNNING] > 0 and now[GENERATED] - before[url] >= share / 6 * (len(killed) + 1):
+                                os.killpg(processes[url].pid, signal.SIGKILL)
+                                killed.append(url)
+                                break
+                        time.sleep(0.005)
+
+            watcher = threading.Thread(target=kill_two)
+            watcher.start()
+            try:
+                faulted = asyncio.run(run_all(router_url, model))
+            finally:
+                run_over.set()
+                watcher.join()
+            assert len(killed) == 2, f"killed {killed} only"
+            assert [text for text, _, _ in faulted] == [text for text, _, _ in reference]
+            survivor = [url for url in urls if url not in killed]
+            idle = wait_idle(router_url, survivor)
+            assert not any(idle["router"].values()) and not any(idle[survivor[0]].values()), idle
+            assert scrape(router_url, "shardserve_router_migrations_total", 0.0) > 0

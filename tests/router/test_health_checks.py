@@ -111,3 +111,32 @@ def test_check_all_reaps_idle_draining_replicas():
     pool.drain("http://r0")
     asyncio.run(health.check_all())
     assert pool.replicas == {} and fake.paths == []
+
+
+def test_a_probe_unanswered_for_an_interval_stops_new_requests_until_it_answers():
+    """A frozen replica (its probe hangs) is unroutable one probe interval into the probe, long
+    before the probe timeout or the breaker; not a replica whose streams are still sending."""
+    for streaming in (False, True):
+        answer = asyncio.Event()
+        fake = FakeReplica(ok)
+        health, pool, clock = monitor(fake)
+        replica = pool.replicas["http://r0"]
+        asyncio.run(health.check(replica))
+        replica.last_data_at = clock() - (0.1 if streaming else 10.0)
+
+        async def hanging_probe(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/health":
+                await answer.wait()
+            return fake.handle(request)
+
+        async def scenario() -> list[bool]:
+            health.client = httpx.AsyncClient(transport=httpx.MockTransport(hanging_probe))
+            probing = asyncio.ensure_future(health.check(replica))
+            await asyncio.sleep(health.interval_s + 0.2)
+            during = replica.routable
+            answer.set()
+            await probing
+            return [during, replica.routable]
+
+        assert asyncio.run(scenario()) == [streaming, True]
+        assert replica.state is ReplicaState.HEALTHY and replica.consecutive_failures == 0

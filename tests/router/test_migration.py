@@ -78,3 +78,14 @@ def test_next_body_asks_for_token_ids_and_resumes_from_what_was_sent():
 def test_sse_framing():
     assert sse("[DONE]") == b"data: [DONE]\n\n"
     assert sse({"text": "é"}) == 'data: {"text": "é"}\n\n'.encode()
+
+
+def test_a_chat_choices_role_reaches_the_client_once():
+    """A retry before the first token starts the chat stream again: its role chunk is dropped,
+    and a role that comes with content loses only the role."""
+    progress = StreamProgress.for_request("chat", {})
+    assert progress.observe(chat_chunk("", [], role="assistant"))["choices"][0]["delta"] == {
+        "role": "assistant", "content": ""}
+    assert progress.observe(chat_chunk("", [], role="assistant")) is None
+    assert progress.observe(chat_chunk("Hi", [7], role="assistant"))["choices"][0]["delta"] == {"content": "Hi"}
+    assert progress.token_ids == [7]

@@ -1,17 +1,22 @@
 """Streams through the router against fake replicas: relayed, resumed elsewhere from the tokens
-sent, and every replica lease released exactly once however the stream ends (finished, failed,
-broken by an exception, the client gone mid-stream or before the first byte, cancelled while
-starting). Only Forwarder.open_stream and the stream it returns are used."""
+sent (waiting for room when the others are busy), kept while the replica sends progress, a
+failure before the first token answered as an HTTP status, one role chunk per chat choice, and
+every replica lease released exactly once however the stream ends (finished, failed, broken by
+an exception, the client gone mid-stream or before the first byte, cancelled while starting).
+Only Forwarder.open_stream and the stream it returns are used."""
 from __future__ import annotations
 
 import asyncio
 import json
 
+import httpx
 import pytest
 
-from tests.router.fake_replicas import (broken, busy, cancel_while_on_first_replica, client_error,
-                                        died_while_connecting, FakeReplicas, hang, in_flight, make_forwarder, metric,
-                                        stream, unreachable)
+from shardserve.router.admission import RouterError
+from shardserve.server.protocol import PROGRESS_COMMENT
+from tests.router.fake_replicas import (Behaviour, broken, busy, cancel_while_on_first_replica, client_error,
+                                        died_while_connecting, FakeClock, FakeReplicas, hang, in_flight,
+                                        make_forwarder, metric, stream, unreachable)
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 6, "temperature": 0, "stream": True}
 ALL_IDLE = {"http://r0": 0, "http://r1": 0, "http://r2": 0}
@@ -164,4 +169,107 @@ def test_a_stream_start_on_a_replica_ejected_while_waiting_for_its_headers_goes_
 
     events = asyncio.run(scenario())
     assert text(events) == "t0 t1 t2 t3 t4 t5 " and events[-1] == "[DONE]"
+    assert in_flight(forwarder) == ALL_IDLE
+
+
+def _sse_response(events) -> httpx.Response:
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events)
+
+
+class ClosableEvents(httpx.AsyncByteStream):
+    """A response body that, like a socket, breaks once the router closes the response."""
+
+    def __init__(self, events):
+        self.events, self.closed = events, False
+
+    def __aiter__(self):
+        return self.events(self)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def waits_then_streams(clock: FakeClock, waits: int, wait_s: float, progress: bool) -> Behaviour:
+    """A replica that keeps the request queued `waits` times `wait_s` seconds of the fake clock
+    (each let the watchdog look), sending its progress comment after each when `progress`."""
+    def respond(body: dict) -> httpx.Response:
+        async def events(body_stream: ClosableEvents):
+            for _ in range(waits):
+                clock.advance(wait_s)
+                await asyncio.sleep(0.3)  # the watchdog checks every 0.25 s
+                if body_stream.closed:
+                    raise httpx.ReadError("closed by the router")
+                if progress:
+                    yield PROGRESS_COMMENT.encode()
+            async for event in stream(num_tokens=3)(body).stream:
+                yield event
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=ClosableEvents(events))
+    return respond
+
+
+@pytest.mark.parametrize("progress", [True, False], ids=["progress-comments", "silent"])
+def test_a_queued_stream_stays_while_its_replica_sends_progress_and_moves_once_silent(progress):
+    """Four waits of 6 s each (24 s before the first token, stall timeout 10 s): with the
+    replica's progress comments the stream stays; a replica silent for 12 s has stalled."""
+    clock = FakeClock()
+    replicas = FakeReplicas({"http://r0": waits_then_streams(clock, 4 if progress else 1, 6.0 if progress else 12.0,
+                                                             progress),
+                             "http://r1": stream(num_tokens=3), "http://r2": stream(num_tokens=3)})
+    forwarder = make_forwarder(replicas, clock=clock, stall_timeout_s=10.0)
+    events = asyncio.run(open_and_read(forwarder))
+    assert text(events) == "t0 t1 t2 " and events[-1] == "[DONE]"
+    assert replicas.urls_received() == (["http://r0"] if progress else ["http://r0", "http://r1"])
+    assert in_flight(forwarder) == ALL_IDLE
+
+
+def test_no_replica_to_start_a_stream_is_an_http_status_not_an_error_after_200():
+    """The first replica fails before the first token and the others are busy: the client gets
+    429 as the answer's status (Retry-After), never a 200 followed by an error event."""
+    forwarder = make_forwarder(FakeReplicas({"http://r0": stream(break_at=0), "http://r1": busy, "http://r2": busy}))
+    with pytest.raises(RouterError) as refused:
+        asyncio.run(forwarder.open_stream("completion", "/v1/completions", BODY, "", 0.0))
+    assert refused.value.status == 429 and refused.value.retry_after_s
+    assert in_flight(forwarder) == ALL_IDLE
+
+
+def chat_stream(break_after_role: bool) -> Behaviour:
+    """A chat stream: the role chunk, then (unless it breaks) two tokens."""
+    def respond(body: dict) -> httpx.Response:
+        async def events():
+            def chunk(delta: dict, ids: list[int], finish: str | None = None) -> bytes:
+                choice = {"index": 0, "delta": delta, "token_ids": ids, "finish_reason": finish}
+                return f"data: {json.dumps({'id': 'chat-a', 'created': 7, 'choices': [choice]})}\n\n".encode()
+            yield chunk({"role": "assistant", "content": ""}, [])
+            if break_after_role:
+                raise httpx.ReadError("connection lost")
+            yield chunk({"content": "a"}, [100])
+            yield chunk({"content": "b"}, [101], "length")
+            yield b"data: [DONE]\n\n"
+        return _sse_response(events())
+    return respond
+
+
+def test_a_chat_stream_retried_before_its_first_token_sends_one_role_chunk():
+    forwarder = make_forwarder(FakeReplicas({"http://r0": chat_stream(break_after_role=True),
+                                             "http://r1": chat_stream(False), "http://r2": chat_stream(False)}))
+
+    async def read() -> list:
+        status, relay = await forwarder.open_stream("chat", "/v1/chat/completions", BODY, "", 0.0)
+        try:
+            return payloads([event async for event in relay])
+        finally:
+            await relay.aclose()
+    events = asyncio.run(read())
+    deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict)]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
+    assert in_flight(forwarder) == ALL_IDLE
+
+
+def test_a_resume_while_every_other_replica_is_busy_waits_for_room():
+    """Mid-stream, the others answer 429: the stream waits (Retry-After) and resumes, no error."""
+    replicas = FakeReplicas({"http://r0": stream(break_at=2), "http://r1": [busy, stream()], "http://r2": busy})
+    forwarder = make_forwarder(replicas)
+    events = asyncio.run(open_and_read(forwarder))
+    assert text(events) == "t0 t1 t2 t3 t4 t5 " and events[-1] == "[DONE]"
+    assert replicas.urls_received() == ["http://r0", "http://r1", "http://r2", "http://r1"]
     assert in_flight(forwarder) == ALL_IDLE
