@@ -9,8 +9,10 @@ replicas are replaced by fresh ones before the next case.
 
     two_killed        30 streams (greedy and seeded, chat and completions); two of the three
                       replicas SIGKILLed one after the other, each mid-stream
-    kill_in_prefill   21 streams with 700-token prompts; a replica SIGKILLed while its requests
-                      are still in prefill (running, no token generated yet)
+    kill_in_prefill   21 streams with 700-token prompts, each on another replica than in its
+                      reference run (no prefix-cache hit); a replica SIGKILLed while its requests
+                      are still in prefill (running, no token generated yet); the retries land
+                      where the reference run left the prompt cached
     prefix_owner      prefix-aware routing, 8 groups of 4 streams sharing a 400-token prefix; the
                       replica holding the most streams SIGKILLed mid-stream
     sigstop_10s       30 streams; a replica frozen (SIGSTOP) mid-stream for 10 s, then SIGCONT
@@ -181,9 +183,13 @@ def kill_when(fleet: Fleet, condition, victims: int = 1, sig: int = signal.SIGKI
     return thread, hit
 
 
-def run_case(fleet: Fleet, requests: list[dict], fault, leave: set[int] = frozenset()) -> dict:
-    """The reference run, then the faulted one (`fault(fleet)` -> (thread, victims, leave event))."""
+def run_case(fleet: Fleet, requests: list[dict], fault, leave: set[int] = frozenset(), shift: bool = False) -> dict:
+    """The reference run, then the faulted one (`fault(fleet)` -> (thread, victims, leave event)).
+    `shift`: one request between them, so that round robin sends each faulted request to another
+    replica than its reference run (whose prefix cache would spare it the prefill)."""
     reference = asyncio.run(run_streams(fleet.router_url, requests))
+    if shift:
+        asyncio.run(run_streams(fleet.router_url, specs(1, lambda i: "shift")))
     thread, victims, leave_when = fault(fleet)
     try:
         faulted = asyncio.run(run_streams(fleet.router_url, requests, leave, leave_when))
@@ -223,7 +229,7 @@ def case_kill_in_prefill(fleet: Fleet) -> dict:
     long = [" ".join(rng.choice(words) for _ in range(700)) for _ in range(21)]
     requests = specs(21, lambda i: long[i], max_tokens=24)
     in_prefill = lambda url, now, generated, index: now[RUNNING] > 0 and generated == 0
-    return run_case(fleet, requests, lambda f: (*kill_when(f, in_prefill), None))
+    return run_case(fleet, requests, lambda f: (*kill_when(f, in_prefill), None), shift=True)
 
 
 def case_prefix_owner(fleet: Fleet) -> dict:

@@ -27,19 +27,23 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "n"], "additionalProperties": False}
 
 
-def requests(constrained: bool = False) -> list[dict]:
+LONG_PREFIX = " ".join(["the quick brown fox jumps over the lazy dog"] * 24)  # ~400 tokens
+
+
+def requests(constrained: bool = False, long_prompts: bool = False) -> list[dict]:
     """Half greedy, half seeded sampling; completions and chat; every third one JSON-constrained
-    when `constrained`."""
+    when `constrained`; each prompt after LONG_PREFIX when `long_prompts`."""
     out = []
     for i in range(NUM_REQUESTS):
         sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, top_p=0.95, seed=1000 + i)
-        out.append(dict(kind="chat" if i % 4 < 2 else "completion", prompt=f"Request {i}: the quick brown fox",
+        prompt = f"{LONG_PREFIX if long_prompts else ''}Request {i}: the quick brown fox"
+        out.append(dict(kind="chat" if i % 4 < 2 else "completion", prompt=prompt,
                         constrained=constrained and i % 3 == 0, **sampling))
     return out
 
 
-async def run_all(base_url: str, model: str, on_progress=None,
-                  constrained: bool = False) -> list[tuple[str, float, float]]:
+async def run_all(base_url: str, model: str, on_progress=None, constrained: bool = False,
+                  long_prompts: bool = False) -> list[tuple[str, float, float]]:
     """Stream every request concurrently; (text, seconds, longest gap between chunks in seconds)
     each. Any client-visible error raises."""
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -79,7 +83,7 @@ async def run_all(base_url: str, model: str, on_progress=None,
         return "".join(pieces), time.monotonic() - start, gap
 
     try:
-        return await asyncio.gather(*(one(spec) for spec in requests(constrained)))
+        return await asyncio.gather(*(one(spec) for spec in requests(constrained, long_prompts)))
     finally:
         await client.close()
 
@@ -199,3 +203,42 @@ def test_two_of_three_bf16_replicas_killed_one_after_the_other_lose_nothing(tiny
             idle = wait_idle(router_url, survivor)
             assert not any(idle["router"].values()) and not any(idle[survivor[0]].values()), idle
             assert scrape(router_url, "shardserve_router_migrations_total", 0.0) > 0
+
+
+def test_a_replica_killed_while_its_requests_are_in_prefill_loses_nothing(tiny_checkpoints):
+    """Long prompts prefilled 4 tokens a step (bf16; no prefix cache, or the fault-free run would
+    leave the faulted one nothing to prefill): a replica SIGKILLed while it runs requests and has
+    generated no token yet. Every stream completes identical to the fault-free run, nothing left
+    in flight."""
+    model = str(tiny_checkpoints["llama"])
+    with replicas(tiny_checkpoints["llama"], 3, "--dtype", "bfloat16", "--max-num-batched-tokens", "4",
+                  "--no-prefix-caching") as fleet:
+        urls = [url for url, _ in fleet]
+        with router(urls, "--policy", "round_robin") as (router_url, _):
+            reference = asyncio.run(run_all(router_url, model, long_prompts=True))
+            processes, killed, run_over = dict(fleet), [], threading.Event()
+            before = {url: scrape(url, GENERATED, 0.0) for url in urls}
+
+            def kill_in_prefill() -> None:
+                with httpx.Client(timeout=5) as http:
+                    while not run_over.is_set() and not killed:
+                        for url in urls:
+                            now = scrape_many(url, (GENERATED, RUNNING), 0.0, http)
+                            if now[RUNNING] > 0 and now[GENERATED] == before[url]:
+                                os.killpg(processes[url].pid, signal.SIGKILL)
+                                killed.append(url)
+                                break
+                        time.sleep(0.002)
+
+            watcher = threading.Thread(target=kill_in_prefill)
+            watcher.start()
+            try:
+                faulted = asyncio.run(run_all(router_url, model, long_prompts=True))
+            finally:
+                run_over.set()
+                watcher.join()
+            assert killed, "no replica was seen in prefill"
+            assert [text for text, _, _ in faulted] == [text for text, _, _ in reference]
+            survivors = [url for url in urls if url not in killed]
+            idle = wait_idle(router_url, survivors)
+            assert not any(idle["router"].values()) and all(not any(idle[url].values()) for url in survivors), idle
