@@ -1,5 +1,6 @@
-"""StallWatchdog's verdicts on a fake clock: the first-token deadline, the stall timeout after
-each chunk, and an ejected replica's silent stream; run() closes the response on a verdict."""
+"""StallWatchdog's verdicts on a fake clock: the first deadline, the stall timeout after each
+event or progress comment, and an ejected replica's silent stream; run() closes the response on a
+verdict."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ def watchdog(first_token_timeout_s: float = 120.0) -> tuple[StallWatchdog, Repli
     return StallWatchdog(replica, FakeResponse(), first_token_timeout_s, clock), replica, clock
 
 
-def test_the_first_token_may_take_the_first_token_timeout():
+def test_the_first_deadline_is_the_one_given():
     dog, _, clock = watchdog(120.0)
     clock.advance(120.0)
     assert dog.check() is None
