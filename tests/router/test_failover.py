@@ -163,6 +163,34 @@ def wait_idle(router_url: str, replica_urls: list[str], timeout_s: float = 10.0)
     return now
 
 
+def run_killing(router_url: str, model: str, fleet: list, condition, victims: int = 1,
+                **run_kwargs) -> tuple[list, list[str]]:
+    """run_all while a thread polls the replicas' counters and SIGKILLs, up to `victims` times,
+    the first replica for which `condition(running, generated since the run began, victims so
+    far)` holds; (the run's results, the killed urls)."""
+    processes, killed, run_over = dict(fleet), [], threading.Event()
+    before = {url: scrape(url, GENERATED, 0.0) for url in processes}
+
+    def watch() -> None:
+        with httpx.Client(timeout=5) as http:
+            while not run_over.is_set() and len(killed) < victims:
+                for url in [u for u in processes if u not in killed]:
+                    now = scrape_many(url, (GENERATED, RUNNING), 0.0, http)
+                    if condition(now[RUNNING], now[GENERATED] - before[url], len(killed)):
+                        os.killpg(processes[url].pid, signal.SIGKILL)
+                        killed.append(url)
+                        break
+                time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        return asyncio.run(run_all(router_url, model, **run_kwargs)), killed
+    finally:
+        run_over.set()
+        watcher.join()
+
+
 def test_two_of_three_bf16_replicas_killed_one_after_the_other_lose_nothing(tiny_checkpoints):
     """bfloat16 replicas (the dtype people serve), one SIGKILLed mid-stream and then, once its
     streams run elsewhere, a second: every stream completes byte-identical to the fault-free run
@@ -173,35 +201,16 @@ def test_two_of_three_bf16_replicas_killed_one_after_the_other_lose_nothing(tiny
         with router(urls, "--policy", "round_robin") as (router_url, _):
             asyncio.run(run_all(router_url, model))  # warm-up
             reference = asyncio.run(run_all(router_url, model))
-            processes, killed, run_over = dict(fleet), [], threading.Event()
-            before = {url: scrape(url, GENERATED, 0.0) for url in urls}
-
-            def kill_two() -> None:
-                # each victim: the next replica seen running streams once it generated a sixth of
-                # its share of the run (its own counters: mid-stream)
-                share = NUM_REQUESTS * MAX_TOKENS / len(urls)
-                with httpx.Client(timeout=5) as http:
-                    while not run_over.is_set() and len(killed) < 2:
-                        for url in [u for u in urls if u not in killed]:
-                            now = scrape_many(url, (GENERATED, RUNNING), 0.0, http)
-                            if now[RUNNING] > 0 and now[GENERATED] - before[url] >= share / 6 * (len(killed) + 1):
-                                os.killpg(processes[url].pid, signal.SIGKILL)
-                                killed.append(url)
-                                break
-                        time.sleep(0.005)
-
-            watcher = threading.Thread(target=kill_two)
-            watcher.start()
-            try:
-                faulted = asyncio.run(run_all(router_url, model))
-            finally:
-                run_over.set()
-                watcher.join()
+            # each victim: the next replica seen running streams once it generated a sixth of its
+            # share of the run per victim so far (its own counters: mid-stream)
+            share = NUM_REQUESTS * MAX_TOKENS / len(urls)
+            faulted, killed = run_killing(router_url, model, fleet, victims=2, condition=lambda running, generated, n:
+                                          running > 0 and generated >= share / 6 * (n + 1))
             assert len(killed) == 2, f"killed {killed} only"
             assert [text for text, _, _ in faulted] == [text for text, _, _ in reference]
-            survivor = [url for url in urls if url not in killed]
-            idle = wait_idle(router_url, survivor)
-            assert not any(idle["router"].values()) and not any(idle[survivor[0]].values()), idle
+            survivors = [url for url in urls if url not in killed]
+            idle = wait_idle(router_url, survivors)
+            assert not any(idle["router"].values()) and not any(idle[survivors[0]].values()), idle
             assert scrape(router_url, "shardserve_router_migrations_total", 0.0) > 0
 
 
@@ -216,27 +225,8 @@ def test_a_replica_killed_while_its_requests_are_in_prefill_loses_nothing(tiny_c
         urls = [url for url, _ in fleet]
         with router(urls, "--policy", "round_robin") as (router_url, _):
             reference = asyncio.run(run_all(router_url, model, long_prompts=True))
-            processes, killed, run_over = dict(fleet), [], threading.Event()
-            before = {url: scrape(url, GENERATED, 0.0) for url in urls}
-
-            def kill_in_prefill() -> None:
-                with httpx.Client(timeout=5) as http:
-                    while not run_over.is_set() and not killed:
-                        for url in urls:
-                            now = scrape_many(url, (GENERATED, RUNNING), 0.0, http)
-                            if now[RUNNING] > 0 and now[GENERATED] == before[url]:
-                                os.killpg(processes[url].pid, signal.SIGKILL)
-                                killed.append(url)
-                                break
-                        time.sleep(0.002)
-
-            watcher = threading.Thread(target=kill_in_prefill)
-            watcher.start()
-            try:
-                faulted = asyncio.run(run_all(router_url, model, long_prompts=True))
-            finally:
-                run_over.set()
-                watcher.join()
+            faulted, killed = run_killing(router_url, model, fleet, long_prompts=True,
+                                          condition=lambda running, generated, _: running > 0 and generated == 0)
             assert killed, "no replica was seen in prefill"
             assert [text for text, _, _ in faulted] == [text for text, _, _ in reference]
             survivors = [url for url in urls if url not in killed]
