@@ -237,19 +237,30 @@ async def _sse(async_engine: AsyncEngine, call: Call, streams: list[RequestStrea
             await merged.put((index, exc))
         await merged.put((index, None))
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    received = [0]  # items taken from `merged`
+
+    async def tick() -> None:
+        """A progress sentinel after each interval in which nothing came (one timer a stream,
+        not one per token)."""
+        seen = 0
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            if received[0] == seen and async_engine.making_progress(ENGINE_STUCK_S):
+                await merged.put((-1, PROGRESS_COMMENT))
+            seen = received[0]
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)] + [asyncio.ensure_future(tick())]
     completion_tokens, open_choices = call.num_resumed_tokens, len(streams)
     try:
         for index, prefix in enumerate(call.echo_prefixes):
             if prefix or (call.builder.kind == "chat" and not call.num_resumed_tokens):
                 yield _event(call.builder.chunk(index, None, prefix, first=True))
         while open_choices:
-            try:
-                index, item = await asyncio.wait_for(merged.get(), PROGRESS_INTERVAL_S)
-            except TimeoutError:
-                if async_engine.making_progress(ENGINE_STUCK_S):
-                    yield PROGRESS_COMMENT
+            index, item = await merged.get()
+            if item is PROGRESS_COMMENT:
+                yield item
                 continue
+            received[0] += 1
             if item is None:
                 open_choices -= 1
                 continue

@@ -15,10 +15,10 @@ from shardserve.request import MODEL_DEFAULT_FIELDS, InvalidRequestError, Sampli
 
 BATCH_PRIORITY = 10  # lower runs first: interactive requests default to 0
 MAX_STOP_STRINGS = 16  # each one is searched for in every step's new text
-# A stream with no event for this long gets an SSE comment (`: progress`, which clients ignore)
-# while its engine is making progress: a router tells a queued or slow request from a dead
-# replica by it (its stall timeout must be longer). An engine loop stuck in one step for
-# ENGINE_STUCK_S sends none.
+# A stream that sent nothing during one of these intervals gets an SSE comment (`: progress`,
+# which clients ignore) while its engine is making progress, so it is never silent for two: a
+# router tells a queued or slow request from a dead replica by it (its stall timeout must be
+# longer). An engine loop stuck in one step for ENGINE_STUCK_S sends none.
 PROGRESS_INTERVAL_S = 1.0
 ENGINE_STUCK_S = 30.0
 PROGRESS_COMMENT = ": progress\n\n"
