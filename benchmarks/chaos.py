@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -156,12 +157,13 @@ async def run_streams(router_url: str, requests: list[dict], leave: set[int] = f
         await client.close()
 
 
-def kill_when(fleet: Fleet, condition, victims: int = 1, sig: int = signal.SIGKILL, after: callable = None,
-              stop: threading.Event | None = None) -> tuple[threading.Thread, list[str]]:
+def kill_when(fleet: Fleet, condition, victims: int = 1, sig: int = signal.SIGKILL,
+              after: Callable[[str], None] | None = None) -> tuple[threading.Thread, list[str]]:
     """A thread that signals up to `victims` replicas, each the first for which `condition(url,
-    readings, index)` holds (polled every 10 ms); `after(url)` runs once a victim is signalled."""
+    readings, tokens generated since the run began, victims so far)` holds (polled every 10 ms);
+    `after(url)` runs once a victim is signalled."""
     hit: list[str] = []
-    stop = stop or threading.Event()
+    stop = threading.Event()
 
     def watch() -> None:
         before = {url: scrape(url, (GENERATED,))[GENERATED] for url in fleet.replicas}

@@ -57,11 +57,11 @@ class StreamProgress:
         """Drop the role from choices whose role was sent; True if nothing else is left."""
         empty = True
         for choice in chunk["choices"]:
-            delta = choice.get("delta") or {}
+            delta, index = choice.get("delta") or {}, choice.get("index", 0)
             if "role" in delta:
-                if choice.get("index", 0) in self.roles_sent:
+                if index in self.roles_sent:
                     delta.pop("role")
-                self.roles_sent.add(choice.get("index", 0))
+                self.roles_sent.add(index)
             if any(delta.values()) or choice.get("finish_reason") or choice.get("token_ids") or "role" in delta:
                 empty = False
         return empty

@@ -22,16 +22,16 @@ class StallWatchdog:
 
     def __init__(self, replica: Replica, response: httpx.Response, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic):
-        """`timeout_s` is the first deadline; each event or progress comment sets the next (touch)."""
-        self.replica, self.response, self.clock = replica, response, clock
-        self.last_data_at = clock()
-        self.deadline = self.last_data_at + timeout_s
+        """The stream may stay silent for `timeout_s` from now, and from each event or progress
+        comment (touch)."""
+        self.replica, self.response, self.clock, self.timeout_s = replica, response, clock, timeout_s
         self.reason: str | None = None
+        self.touch()
 
-    def touch(self, timeout_s: float) -> None:
-        """Something came: the stream may now stay silent for `timeout_s`."""
+    def touch(self) -> None:
+        """Something came: the stream may now stay silent for the timeout."""
         self.last_data_at = self.clock()
-        self.deadline = self.last_data_at + timeout_s
+        self.deadline = self.last_data_at + self.timeout_s
 
     def check(self) -> str | None:
         """Why the stream should be given up now, if it should (kept in `reason`)."""

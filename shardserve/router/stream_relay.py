@@ -163,7 +163,7 @@ class StreamRelay:
             async for line in response.aiter_lines():
                 if not line:
                     continue
-                watchdog.touch(config.stall_timeout_s)  # an event or the replica's progress comment
+                watchdog.touch()  # an event or the replica's progress comment
                 replica.last_data_at = watchdog.last_data_at
                 if not line.startswith("data: "):
                     continue

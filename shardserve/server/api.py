@@ -237,7 +237,7 @@ async def _sse(async_engine: AsyncEngine, call: Call, streams: list[RequestStrea
             await merged.put((index, exc))
         await merged.put((index, None))
 
-    received = [0]  # items taken from `merged`
+    received = 0  # items taken from `merged`
 
     async def tick() -> None:
         """A progress sentinel after each interval in which nothing came (one timer a stream,
@@ -245,9 +245,9 @@ async def _sse(async_engine: AsyncEngine, call: Call, streams: list[RequestStrea
         seen = 0
         while True:
             await asyncio.sleep(PROGRESS_INTERVAL_S)
-            if received[0] == seen and async_engine.making_progress(ENGINE_STUCK_S):
+            if received == seen and async_engine.making_progress(ENGINE_STUCK_S):
                 await merged.put((-1, PROGRESS_COMMENT))
-            seen = received[0]
+            seen = received
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)] + [asyncio.ensure_future(tick())]
     completion_tokens, open_choices = call.num_resumed_tokens, len(streams)
@@ -260,7 +260,7 @@ async def _sse(async_engine: AsyncEngine, call: Call, streams: list[RequestStrea
             if item is PROGRESS_COMMENT:
                 yield item
                 continue
-            received[0] += 1
+            received += 1
             if item is None:
                 open_choices -= 1
                 continue
