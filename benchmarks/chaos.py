@@ -308,7 +308,9 @@ def main() -> None:
     with ExitStack() as stack:
         fleet = None
         for name in [c for c in CASES if c in wanted]:
-            fleet = fleet or Fleet(stack, [], "round_robin")
+            # prompts prefilled 128 tokens a step: a 700-token prompt's prefill spans several
+            # steps, so kill_in_prefill's watcher sees it (at 512 it sometimes missed it)
+            fleet = fleet or Fleet(stack, ["--max-num-batched-tokens", "128"], "round_robin")
             asyncio.run(run_streams(fleet.router_url, specs(6, lambda i: "warm up")))
             summary[name] = CASES[name](fleet)
             print(f"[{time.perf_counter() - start:5.0f} s] {name}: {json.dumps(summary[name])}", flush=True)
