@@ -86,8 +86,7 @@ def build_all() -> None:
 
 
 def load_paged_decode_attention():
-    """`paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)` or None.
-    Built with -ffast-math so the dot products vectorize (reassociated float sums)."""
+    """`paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)` or None."""
     module = _load("paged_decode_attention")
     return None if module is None else module.paged_decode_attention
 

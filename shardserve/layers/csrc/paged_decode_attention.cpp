@@ -7,7 +7,8 @@
 // With AVX-512 an item is attention_rows::attend_rows over its G heads as G query rows: the
 // arithmetic the prefill kernel runs for the same token, so a token decoded here and one
 // recomputed by a prefill (a resumed request) get the same bits. The next block's keys and values
-// are prefetched while one is used (the cache reads come from DRAM at decode batch sizes). With
+// are prefetched while one is used, and a thread's next item's keys while it reads this item's
+// values (the cache reads come from DRAM at decode batch sizes). With
 // AVX2 (head_dim a multiple of 8) a kernel on 8 lanes, otherwise a portable loop, does the same
 // math in another order (there is no native prefill kernel to match on such CPUs).
 //
@@ -250,6 +251,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t num_items = num_seqs * num_kv_heads;
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::atomic<int64_t> next_item{0};
+#if defined(__AVX512F__)
+  auto upcoming = [&](int64_t item) {
+    attention_rows::Upcoming<T> next;
+    if (item < num_items) {
+      const int64_t seq = order[item / num_kv_heads];
+      next.k_base = k_ptr + (item % num_kv_heads) * num_blocks * block_size * head_dim;
+      next.table = table_ptr + seq * max_blocks;
+      next.context_len = len_ptr[seq];
+    }
+    return next;
+  };
+#endif
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, qf(group * head_dim), tile(block_size * head_dim);
 #if defined(__AVX512F__)
@@ -259,7 +272,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::vector<int64_t> row_pos(group);
 #endif
     for (int64_t w = begin; w < end; ++w) {
-      for (int64_t item = next_item++; item < num_items; item = next_item++) {
+      // the item after this one is taken now, so that its keys can be prefetched during this one
+      for (int64_t item = next_item++, following; item < num_items; item = following) {
+        following = next_item++;
         const int64_t seq = order[item / num_kv_heads], kv_head = item % num_kv_heads;
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
         const int64_t* table = table_ptr + seq * max_blocks;
@@ -273,7 +288,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           }
           attention_rows::attend_rows<T>(q_rows.data(), group, row_pos.data(), k_ptr + kv_head * head_elems,
                                          v_ptr + kv_head * head_elems, table, len_ptr[seq], block_size, head_dim,
-                                         static_cast<float>(scale), ws, out_rows.data());
+                                         static_cast<float>(scale), ws, out_rows.data(), upcoming(following));
           continue;
         }
 #endif
