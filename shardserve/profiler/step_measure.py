@@ -10,6 +10,7 @@ little high.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile
@@ -95,6 +96,9 @@ def measure_point(probe: StepProbe, batches: ControlledBatches, point: SweepPoin
 
 
 def _profiled_step(probe: StepProbe, one_step) -> tuple[StepTiming, ClassSplit]:
+    # torch 2.13's kineto writes "USDT: ... profiler_start/stop" lines to stderr on every
+    # profiled step unless told to log errors only; a user's own setting wins
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=[ProfilerActivity.CPU]) as prof, module_scopes(probe.runner.model):
         probe.labels = True
         try:

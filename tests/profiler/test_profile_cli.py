@@ -22,6 +22,7 @@ def profiled(tiny_checkpoints, tmp_path_factory):
            "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profiler_start" not in proc.stderr  # the profiler's per-step log lines stay quiet
     return out, proc.stdout
 
 
