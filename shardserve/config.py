@@ -5,7 +5,7 @@ derive variants with `dataclasses.replace`, never by mutation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shardserve import param_counts
@@ -287,6 +287,49 @@ def serving_token_budget(on_cpu: bool) -> int:
     return 512 if on_cpu else SchedulerConfig.max_num_batched_tokens
 
 
+SPECULATIVE_METHODS = ("ngram",)  # SpeculativeConfig.method: engine/ngram_proposer.py
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): each decoding request may carry up to
+    `num_speculative_tokens` proposed tokens, verified by the target model in the same step.
+    "ngram" proposes the tokens that followed the latest earlier occurrence of the request's last
+    `prompt_lookup_max` .. `prompt_lookup_min` tokens (prompt lookup). Whether a step speculates,
+    and how far, is the policy's call (engine/speculation_policy.py); `disable_by_batch_size`
+    also switches it off at that many running requests, as in vLLM."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+    # "auto": speculate only when the measured acceptance and step costs say it pays;
+    # "always": every step that has proposals (for tests and measurements)
+    policy: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"unknown speculative method {self.method!r}; choose one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("speculative prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.policy not in ("auto", "always"):
+            raise ConfigError(f"speculative policy must be 'auto' or 'always', got {self.policy!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+        """vLLM's --speculative-config JSON object; unknown keys are a ConfigError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
 QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization: layers/quantization.py
 
 
@@ -319,6 +362,7 @@ class EngineConfig:
     # decode computed it (a resumed stream continues exactly); False also allows faster ones
     # that are not (the AMX prefill attention tiles: csrc/paged_prefill_attention.cpp)
     deterministic: bool = True
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from shardserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from shardserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from shardserve.engine.launcher import build_engine
 from shardserve.request import RequestOutput, SamplingParams
 
@@ -22,6 +22,9 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
     """Flat keyword arguments (as users pass them to vLLM's LLM) -> nested EngineConfig."""
     nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
     kwargs = {VLLM_NAMES.get(key, key): value for key, value in kwargs.items()}
+    if "speculative_config" in kwargs:  # vLLM's name, as a dict or None
+        spec = kwargs.pop("speculative_config")
+        kwargs["speculative"] = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
     parts: dict[str, dict] = {name: {} for name in nested}
     top: dict = {"model": model}
     fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in nested.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from shardserve.config import QUANTIZATION_METHODS, SchedulerConfig
 from shardserve.dtypes import ENGINE_DTYPES
@@ -42,6 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a token's result independent of its batch and of prefill vs decode, so a stream "
                              "resumed elsewhere continues exactly (default); --no-deterministic allows faster "
                              "kernels that are not (AMX prefill attention on CPUs that have AMX)")
+    parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                             '(docs/speculative_decoding.md)')
     par = parser.add_argument_group("parallelism (see docs/parallelism.md)")
     par.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     par.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")
@@ -71,7 +76,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
         comm_timeout_s=args.comm_timeout, cpu_threads=args.cpu_threads, enforce_eager=args.enforce_eager,
         quantization=args.quantization, deterministic=args.deterministic,
+        speculative_config=args.speculative_config,
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:

@@ -23,6 +23,7 @@ from shardserve.engine.model_loader import LoadedModel
 from shardserve.engine.model_runner import ModelRunner
 from shardserve.engine.output_processor import OutputProcessor
 from shardserve.engine.scheduler import Scheduler
+from shardserve.engine.speculator import Speculator
 from shardserve.engine.thread_governor import ThreadGovernor
 from shardserve.engine.worker import StepStats
 from shardserve.parallel.expert import ExpertLoadReport
@@ -44,7 +45,8 @@ class LLMEngine:
         self.sampling_defaults = loaded.sampling_defaults  # the model's, for fields a request leaves out
         kv = loaded.kv_cache
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.speculator = Speculator(config.speculative) if config.speculative else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.speculator)
         self.validator = InputValidator(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                         loaded.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -123,6 +125,8 @@ class LLMEngine:
         req = self.add_request("shardserve-warm-up", prompt, params)
         while not req.is_finished:
             self.step()
+        if self.speculator:  # its proposals are not traffic (the policy keeps what it measured)
+            self.speculator.clear_stats()
 
     def keep_alive(self) -> None:
         self.executor.keep_alive()
@@ -141,6 +145,9 @@ class LLMEngine:
         outputs = self.output_processor.process(updated, result.sampled, self._stop_at_string)
         batch = tuple((s.num_tokens, s.start_pos + s.num_tokens) for s in sched.seqs)
         self.last_step = StepRecord(batch, time.perf_counter() - start)
+        if self.speculator:
+            decode_only = all(s.sample and s.num_tokens == 1 + len(s.spec_token_ids) for s in sched.seqs)
+            self.speculator.observe_step(sum(n for n, _ in batch), decode_only, self.last_step.duration_s)
         if self.threads:
             self.threads.after_step(sum(n for n, _ in batch), self.last_step.duration_s)
         return outputs

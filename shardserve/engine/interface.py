@@ -29,6 +29,9 @@ class ScheduledSeq:
     num_tokens: int
     block_ids: list[int]  # the whole block table
     sample: bool  # the chunk reaches the request's last known token: sample the next one
+    # proposed tokens (speculative decoding): the chunk is the last known token followed by
+    # these, and every row is sampled to verify them (engine/speculator.py)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -52,7 +55,9 @@ class SampledToken:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)  # req_id -> token
+    # req_id -> the tokens it got this step: one, or after a verification the proposals that
+    # held and the token sampled after them
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Runs one engine step on the model: turns a SchedulerOutput into packed tensors, runs the
-forward pass over the paged KV cache, and samples the next token of each finished chunk."""
+forward pass over the paged KV cache, and samples the next token of each finished chunk (every
+row of a chunk that verifies proposed tokens)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 import torch
@@ -13,6 +14,7 @@ from shardserve.engine.grammar import Grammars, bitmask_words
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.kv_cache import KVCache
 from shardserve.engine.sampler import SamplingState, argmax_suffices, sample
+from shardserve.engine.speculator import accept_proposals
 from shardserve.layers.attention.backend import AttentionBackend
 from shardserve.layers.attention.paged_kv import SeqSpan
 from shardserve.layers.cpu_kernels import build_all
@@ -26,9 +28,9 @@ class Stage(Protocol):
 
     def micro_batches(self, seqs: list[ScheduledSeq]) -> list[list[ScheduledSeq]]: ...
     def receive(self, num_tokens: int) -> torch.Tensor | None: ...
-    def compute(self, run: Callable[[], dict[str, SampledToken]]) -> dict[str, SampledToken]: ...
+    def compute(self, run: Callable[[], dict[str, list[SampledToken]]]) -> dict[str, list[SampledToken]]: ...
     def send(self, hidden: torch.Tensor) -> None: ...
-    def finish(self, sampled: dict[str, SampledToken]) -> dict[str, SampledToken]: ...
+    def finish(self, sampled: dict[str, list[SampledToken]]) -> dict[str, list[SampledToken]]: ...
 
 
 class WholeModel:
@@ -42,13 +44,13 @@ class WholeModel:
     def receive(self, num_tokens: int) -> None:
         return None
 
-    def compute(self, run: Callable[[], dict[str, SampledToken]]) -> dict[str, SampledToken]:
+    def compute(self, run: Callable[[], dict[str, list[SampledToken]]]) -> dict[str, list[SampledToken]]:
         return run()
 
     def send(self, hidden: torch.Tensor) -> None:
         raise AssertionError("the whole model has no next stage")
 
-    def finish(self, sampled: dict[str, SampledToken]) -> dict[str, SampledToken]:
+    def finish(self, sampled: dict[str, list[SampledToken]]) -> dict[str, list[SampledToken]]:
         return sampled
 
 
@@ -57,8 +59,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: object  # the attention backend's metadata
-    sample_indices: torch.Tensor  # [N] row of each sampling sequence's last token
-    sample_req_ids: list[str]
+    sample_indices: torch.Tensor  # [R] the rows to sample: each sampling sequence's last, or all of a verified chunk
+    sample_req_ids: list[str]  # the sampling sequences, in row order
+    sample_drafts: list[list[int]]  # each one's proposed tokens ([] unless it verifies some)
 
 
 class ModelRunner:
@@ -91,7 +94,7 @@ class ModelRunner:
         self.update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, list[SampledToken]] = {}
         for seqs in stage.micro_batches(sched.seqs):
             inputs = self.prepare_inputs(seqs)
             hidden_in = stage.receive(len(inputs.input_ids))
@@ -106,7 +109,7 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta, hidden_in)
 
-    def _run_stage(self, inputs: "StepInputs", hidden_in: torch.Tensor | None, stage: "Stage") -> dict[str, SampledToken]:
+    def _run_stage(self, inputs: "StepInputs", hidden_in: torch.Tensor | None, stage: "Stage") -> dict[str, list[SampledToken]]:
         hidden = self.forward(inputs, hidden_in)
         if not stage.is_last:
             stage.send(hidden)
@@ -127,19 +130,38 @@ class ModelRunner:
                 new.params, new.seed, list(new.token_ids), new.num_prompt_tokens, self.eos_token_ids
             )
 
-    def sample(self, inputs: "StepInputs", hidden: torch.Tensor) -> dict[str, SampledToken]:
-        """The next token of every sequence whose chunk ends at its last known token."""
+    def sample(self, inputs: "StepInputs", hidden: torch.Tensor) -> dict[str, list[SampledToken]]:
+        """The next token of every sequence whose chunk ends at its last known token; for a chunk
+        of proposals, the ones that held and the token after them."""
         if not inputs.sample_req_ids:
             return {}
         hidden = hidden[inputs.sample_indices]
-        states = [self.states[r] for r in inputs.sample_req_ids]
+        states = self._row_states(inputs)
+        rows = None
         if argmax_suffices(states):  # greedy: at batch 64, 3.7 -> 2.5 ms without [64, 49k] logits
             token_ids = self.model.compute_greedy(hidden)
             if token_ids is not None:
-                return {r: SampledToken(t) for r, t in zip(inputs.sample_req_ids, token_ids.tolist())}
-        logits = self.model.compute_logits(hidden)  # [N, vocab] float32
-        # sampled where the logits are: no per-step copy of [N, vocab] to the host, one of N ids
-        return dict(zip(inputs.sample_req_ids, sample(logits, states, self.grammar_masks(states))))
+                rows = [SampledToken(t) for t in token_ids.tolist()]
+        if rows is None:
+            logits = self.model.compute_logits(hidden)  # [R, vocab] float32
+            # sampled where the logits are: no per-step copy of [R, vocab] to the host, one of R ids
+            rows = sample(logits, states, self.grammar_masks(states))
+        sampled, row = {}, 0
+        for req_id, drafts in zip(inputs.sample_req_ids, inputs.sample_drafts):
+            sampled[req_id] = accept_proposals(rows[row:row + 1 + len(drafts)], drafts)
+            row += 1 + len(drafts)
+        return sampled
+
+    def _row_states(self, inputs: "StepInputs") -> list[SamplingState]:
+        """The sampling state of each sampled row: a verified chunk's row j sees the request's
+        tokens followed by its first j proposals (the position and penalties plain decoding of
+        that row would have)."""
+        states = []
+        for req_id, drafts in zip(inputs.sample_req_ids, inputs.sample_drafts):
+            state = self.states[req_id]
+            states.append(state)
+            states.extend(replace(state, token_ids=state.token_ids + drafts[:j]) for j in range(1, len(drafts) + 1))
+        return states
 
     def grammar_masks(self, states: list[SamplingState]) -> torch.Tensor | None:
         """The allowed-token bitmask of each state (None when no state has a grammar). A state's
@@ -156,12 +178,13 @@ class ModelRunner:
         self.grammars.fill_masks([states[i].matcher for i in rows], rows, bitmask)
         return bitmask
 
-    def record(self, sampled: dict[str, SampledToken]) -> None:
-        for req_id, token in sampled.items():
+    def record(self, sampled: dict[str, list[SampledToken]]) -> None:
+        for req_id, tokens in sampled.items():
             state = self.states[req_id]
-            state.token_ids.append(token.token_id)
-            if state.matcher is not None:
-                state.matcher.consume_token(token.token_id)
+            for token in tokens:
+                state.token_ids.append(token.token_id)
+                if state.matcher is not None:
+                    state.matcher.consume_token(token.token_id)
 
     def prepare_inputs(self, seqs: list[ScheduledSeq]) -> StepInputs:
         """Pack decodes first (one token each, longest context first), then prefill chunks; the
@@ -172,17 +195,21 @@ class ModelRunner:
         positions: list[int] = []
         sample_indices: list[int] = []
         sample_req_ids: list[str] = []
+        sample_drafts: list[list[int]] = []
         for seq in decodes + prefills:
             tokens = self.states[seq.req_id].token_ids
+            num_known = seq.num_tokens - len(seq.spec_token_ids)
             positions.extend(range(seq.start_pos, seq.start_pos + seq.num_tokens))
-            input_ids.extend(tokens[seq.start_pos : seq.start_pos + seq.num_tokens])
+            input_ids.extend(tokens[seq.start_pos : seq.start_pos + num_known])
+            input_ids.extend(seq.spec_token_ids)
             if seq.sample:
-                sample_indices.append(len(input_ids) - 1)
+                sample_indices.extend(range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids)))
                 sample_req_ids.append(seq.req_id)
+                sample_drafts.append(seq.spec_token_ids)
         spans = [SeqSpan(s.start_pos, s.num_tokens, s.block_ids) for s in decodes + prefills]
         meta = self.attention.build_metadata(spans, len(decodes), self.kv_cache)
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
-                          self._tensor(sample_indices), sample_req_ids)
+                          self._tensor(sample_indices), sample_req_ids, sample_drafts)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

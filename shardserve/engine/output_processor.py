@@ -41,26 +41,32 @@ class OutputProcessor:
         logprobs = [] if req.params.logprobs is not None else None
         self.states[req.req_id] = OutputState(detokenizer, prompt, logprobs)
 
-    def process(self, updated: list[Request], sampled: dict[str, SampledToken],
+    def process(self, updated: list[Request], sampled: dict[str, list[SampledToken]],
                 stop_request: Callable[[str, str], None]) -> list[RequestOutput]:
-        """Outputs of the requests that got a token this step (`updated`, from the scheduler).
-        A request whose text reached a stop string is ended through `stop_request(req_id, stop)`."""
+        """Outputs of the requests that got tokens this step (`updated`, from the scheduler).
+        A request whose text reached a stop string is ended through `stop_request(req_id, stop)`;
+        tokens it got after the one that completed the stop string are dropped."""
         now = time.monotonic()
         outputs = []
         for req in updated:
             if req.first_token_time is None:
                 req.first_token_time = now
             state = self.states[req.req_id]
-            token = sampled[req.req_id]
+            tokens = sampled[req.req_id]
+            for i, token in enumerate(tokens):
+                stop = state.detokenizer.push(token.token_id)
+                if stop is not None:
+                    if not req.is_finished:
+                        del req.output_token_ids[len(req.output_token_ids) - (len(tokens) - 1 - i):]
+                        stop_request(req.req_id, stop)
+                    tokens = tokens[:i + 1]
+                    break
             new_logprobs = []
             if state.logprobs is not None:
-                new_logprobs = [TokenLogprob(token.token_id, token.logprob, token.top_logprobs)]
+                new_logprobs = [TokenLogprob(t.token_id, t.logprob, t.top_logprobs) for t in tokens]
                 state.logprobs.extend(new_logprobs)
-            stop = state.detokenizer.push(token.token_id)
-            if stop is not None and not req.is_finished:
-                stop_request(req.req_id, stop)
             new_text = state.detokenizer.take_new_text(req.is_finished)
-            outputs.append(self._output(req, new_text, [token.token_id], new_logprobs))
+            outputs.append(self._output(req, new_text, [t.token_id for t in tokens], new_logprobs))
         return outputs
 
     def finish(self, req: Request) -> RequestOutput:

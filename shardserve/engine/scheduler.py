@@ -14,7 +14,9 @@ Each step::
     starts an interactive request (with one priority, as by default, nothing changes).
 
 A request's chunk is `min(remaining tokens, budget left, max_prefill_chunk_tokens)`, so long
-prompts are split over several steps and mixed with other requests' decodes.
+prompts are split over several steps and mixed with other requests' decodes. With a Speculator
+(engine/speculator.py), a decoding request's chunk is its last token plus the tokens proposed
+for it, when budget and blocks allow; `update` keeps the KV of the proposals that held.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import time
 from shardserve.config import SchedulerConfig
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
+from shardserve.engine.speculator import Speculator
 from shardserve.request import FinishReason, Request, RequestStatus
 
 
@@ -36,8 +39,10 @@ def max_num_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -86,22 +91,41 @@ class Scheduler:
         urgent = self.waiting[0].priority if self.waiting else None
         first = [r for r in self.running if urgent is None or r.priority <= urgent]
         later = [r for r in self.running if urgent is not None and r.priority > urgent]
-        budget, preempted = self._schedule_running(out, first, budget)
+        drafts = self._proposals()
+        budget, preempted = self._schedule_running(out, first, budget, drafts)
         if not preempted:
             num_admitted = len(out.new_requests)
             budget = self._admit_waiting(out, budget)
             if len(out.new_requests) > num_admitted:
                 return out
-        self._schedule_running(out, later, budget)
+        self._schedule_running(out, later, budget, drafts)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, reqs: list[Request], budget: int) -> tuple[int, bool]:
+    def _proposals(self) -> dict[str, list[int]]:
+        """The speculator's proposals for running requests that decode this step."""
+        if self.speculator is None:
+            return {}
+        decoding = [(r, self._max_tokens(r) - r.num_tokens - 1) for r in self.running
+                    if r.num_tokens - r.num_computed_tokens == 1]
+        return self.speculator.propose(decoding, len(self.running)) if decoding else {}
+
+    def _max_tokens(self, req: Request) -> int:
+        return max_num_tokens(len(req.prompt_token_ids), req.params.max_tokens, self.max_model_len)
+
+    def _schedule_running(self, out: SchedulerOutput, reqs: list[Request], budget: int,
+                          drafts: dict[str, list[int]]) -> tuple[int, bool]:
         """Give each of `reqs` (running, best first) its next chunk; (budget left, preempted?)."""
         preempted = False
         for req in reqs:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            spec = drafts.get(req.req_id, [])[: budget - 1]
+            if spec and self.block_manager.can_allocate(req, 1 + len(spec)):  # never preempt for proposals
+                self.block_manager.allocate(req, 1 + len(spec))
+                out.seqs.append(self._scheduled(req, 1 + len(spec), spec))
+                budget -= 1 + len(spec)
                 continue
             num_new = self._chunk_size(req, budget)
             while not self.block_manager.can_allocate(req, num_new):
@@ -148,9 +172,10 @@ class Scheduler:
         limit = self.config.max_prefill_chunk_tokens or remaining
         return max(1, min(remaining, budget, limit))
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _scheduled(self, req: Request, num_new: int, spec: list[int] = ()) -> ScheduledSeq:
         start = req.num_computed_tokens
-        return ScheduledSeq(req.req_id, start, num_new, list(req.block_ids), start + num_new == req.num_tokens)
+        sample = start + num_new - len(spec) == req.num_tokens
+        return ScheduledSeq(req.req_id, start, num_new, list(req.block_ids), sample, list(spec))
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, wait again."""
@@ -166,18 +191,29 @@ class Scheduler:
     # --- after the model ran -------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens and finish requests that hit a stop
-        condition. Returns the requests that got a new token this step."""
+        condition. Returns the requests that got new tokens this step. A verified chunk keeps the
+        KV of the proposals that held; tokens after one that stops the request are dropped from
+        `result.sampled` too, so it holds what each request kept."""
         updated = []
         for seq in sched.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens = seq.start_pos + seq.num_tokens
             sampled = result.sampled.get(seq.req_id)
-            if sampled is not None:
-                req.output_token_ids.append(sampled.token_id)
+            num_rejected = 0
+            if seq.spec_token_ids:
+                num_accepted = len(sampled) - 1
+                num_rejected = len(seq.spec_token_ids) - num_accepted
+                self.speculator.record(len(seq.spec_token_ids), num_accepted)
+            req.num_computed_tokens = seq.start_pos + seq.num_tokens - num_rejected
+            if sampled:
+                for i, token in enumerate(sampled):
+                    req.output_token_ids.append(token.token_id)
+                    self._check_stop(req, token.token_id)
+                    if req.is_finished:
+                        del sampled[i + 1:]
+                        break
                 updated.append(req)
-                self._check_stop(req, sampled.token_id)
             if not req.is_finished:
                 self.block_manager.cache_full_blocks(req)
         return updated
@@ -190,7 +226,7 @@ class Scheduler:
                 return self._finish_running(req, FinishReason.STOP, None)
             if token_id in params.stop_token_ids:
                 return self._finish_running(req, FinishReason.STOP, token_id)
-        if req.num_tokens >= max_num_tokens(len(req.prompt_token_ids), params.max_tokens, self.max_model_len):
+        if req.num_tokens >= self._max_tokens(req):
             self._finish_running(req, FinishReason.LENGTH, None)
 
     def _finish_running(self, req: Request, reason: FinishReason, stop_reason) -> None:
@@ -206,3 +242,5 @@ class Scheduler:
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.finished_time = time.monotonic()
         self._finished_since_last_step.append(req.req_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.req_id)

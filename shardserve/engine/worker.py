@@ -87,7 +87,7 @@ class Worker:
                                 device=self.runner.device)
         return recv(hidden_in, src=self.groups.prev_stage_rank)
 
-    def compute(self, run: Callable[[], dict[str, SampledToken]]) -> dict[str, SampledToken]:
+    def compute(self, run: Callable[[], dict[str, list[SampledToken]]]) -> dict[str, list[SampledToken]]:
         """Run one micro-batch's layers (and head); its time, communication excluded, is compute."""
         start, comm_before = time.perf_counter(), self.groups.stats.seconds
         sampled = run()
@@ -98,7 +98,7 @@ class Worker:
         # the tensor stays referenced until its send completes
         self._sends.append((isend(hidden, dst=self.groups.next_stage_rank), hidden))
 
-    def finish(self, sampled: dict[str, SampledToken]) -> dict[str, SampledToken]:
+    def finish(self, sampled: dict[str, list[SampledToken]]) -> dict[str, list[SampledToken]]:
         """Wait for this step's sends; the sampled tokens, from the sampling rank to every rank."""
         for send, _ in self._sends:
             send.wait()

@@ -75,6 +75,6 @@ class ControlledBatches:
                 raise RuntimeError("the KV cache cannot hold the profiler's sequences; lower the sweep")
             runner.update_states(sched)
             placeholder = int(self._token_range[0])
-            sampled = {seq.req_id: SampledToken(placeholder) for seq in sched.seqs if seq.sample}
+            sampled = {seq.req_id: [SampledToken(placeholder)] for seq in sched.seqs if seq.sample}
             scheduler.update(sched, ModelRunnerOutput(sampled))
             runner.record(sampled)

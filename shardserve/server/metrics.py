@@ -20,9 +20,9 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
 
 class ServerMetrics:
     """`efficiency` adds the live MFU / MBU / cost-per-token gauges and the step-time histogram
-    (efficiency_metrics.py)."""
+    (efficiency_metrics.py); `num_speculative_tokens` > 0 vLLM's speculative decoding counters."""
 
-    def __init__(self, model_name: str, efficiency: EfficiencyConfig | None = None):
+    def __init__(self, model_name: str, efficiency: EfficiencyConfig | None = None, num_speculative_tokens: int = 0):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -56,6 +56,21 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         self.efficiency = LiveEfficiency(r, model_name, efficiency) if efficiency is not None else None
+        self.spec = None
+        if num_speculative_tokens:
+            self.spec = {
+                "num_drafts": Counter("vllm:spec_decode_num_drafts", "Verifications of proposed tokens", labels, registry=r),
+                "num_draft_tokens": Counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens", labels, registry=r),
+                "num_accepted_tokens": Counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                               labels, registry=r)}
+            self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Proposed tokens accepted, by position", labels + ["position"], registry=r)
+            for counter in self.spec.values():
+                counter.labels(model_name)
+            for pos in range(num_speculative_tokens):
+                self.spec_per_pos.labels(model_name, str(pos))
+            self._seen.update({name: 0 for name in self.spec})
+            self._seen_per_pos = [0] * num_speculative_tokens
         self._last_step = None
 
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
@@ -68,6 +83,8 @@ class ServerMetrics:
         self._add_delta(self.preemptions, "preemptions", scheduler.num_preemptions)
         self._add_delta(self.prefix_queries, "queries", blocks.num_prefix_queries)
         self._add_delta(self.prefix_hits, "hits", blocks.num_prefix_hits)
+        if self.spec is not None:
+            self._observe_speculation(engine.speculator.stats)
         now = time.monotonic()
         for out in outputs:
             self._observe_output(out, now)
@@ -86,6 +103,14 @@ class ServerMetrics:
             for expert, count in enumerate(counts):
                 self.expert_tokens.labels(self.model_name, str(layer), str(expert)).set(count)
             self.expert_imbalance.labels(self.model_name, str(layer)).set(report.imbalance(layer))
+
+    def _observe_speculation(self, stats) -> None:
+        for name, counter in self.spec.items():
+            self._add_delta(counter, name, getattr(stats, name))
+        for pos, total in enumerate(stats.accepted_per_position):
+            if total > self._seen_per_pos[pos]:
+                self.spec_per_pos.labels(self.model_name, str(pos)).inc(total - self._seen_per_pos[pos])
+                self._seen_per_pos[pos] = total
 
     def _add_delta(self, counter: Counter, key: str, total: int) -> None:
         if total > self._seen[key]:

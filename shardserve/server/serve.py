@@ -30,7 +30,8 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth:
     model_name = server_config.served_model_name or engine_config.model
     efficiency = efficiency_config(engine_config, engine.model_config, server_config.calibration,
                                    server_config.device_price_per_hour_usd)
-    metrics = ServerMetrics(model_name, efficiency)
+    spec = engine_config.speculative
+    metrics = ServerMetrics(model_name, efficiency, spec.num_speculative_tokens if spec else 0)
     async_engine = AsyncEngine(engine, server_config.max_waiting_requests, on_step=metrics.observe_step)
     par = engine_config.parallel
     info = {"dtype": engine_config.dtype, "device": engine_config.device,

@@ -191,7 +191,7 @@ class DecodeGroup:
         self.scheduler.running.append(req)  # update() takes a finished request out of running
         position = req.num_computed_tokens
         sched = SchedulerOutput(seqs=[ScheduledSeq(req.req_id, position, 1, [], True)])
-        self.scheduler.update(sched, ModelRunnerOutput({req.req_id: self._token}))
+        self.scheduler.update(sched, ModelRunnerOutput({req.req_id: [self._token]}))
         if not req.is_finished:
             raise RuntimeError(f"decode group: {req.req_id} did not finish at step {step}")
         req.emitted_during(req.group_first_step, step)

@@ -142,7 +142,7 @@ class SimReplica:
         with a decode run planned after it, its new decodes join the group for that run."""
         sched, self._sched, step = self._sched, None, self.step
         self.group.replay_through(step, UPDATE)
-        result = ModelRunnerOutput({s.req_id: _FAKE_TOKEN for s in sched.seqs if s.sample})
+        result = ModelRunnerOutput({s.req_id: [_FAKE_TOKEN] for s in sched.seqs if s.sample})
         for req in self.scheduler.update(sched, result):
             req.emitted_at(step)
             if req.is_finished:

@@ -36,7 +36,7 @@ def stream(tokenizer, token_ids: list[int], params: SamplingParams):
         req.output_token_ids.append(token_id)
         if i == len(token_ids) - 1 and not req.is_finished:
             req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
-        outputs += processor.process([req], {"r": SampledToken(token_id, -0.5, [])}, stop)
+        outputs += processor.process([req], {"r": [SampledToken(token_id, -0.5, [])]}, stop)
         if req.is_finished:
             break
     return outputs, outputs[-1]
@@ -76,7 +76,7 @@ def test_whole_output_on_demand_hands_out_nothing_new():
     ids = TOKENIZER.encode(" hello world")
     for token_id in ids:
         req.output_token_ids.append(token_id)
-        streamed = processor.process([req], {"r": SampledToken(token_id)}, lambda *_: None)[0].new_text
+        streamed = processor.process([req], {"r": [SampledToken(token_id)]}, lambda *_: None)[0].new_text
     whole = processor.output(req)
     assert whole.outputs[0].token_ids == ids and whole.outputs[0].text.endswith(streamed)
     assert whole.new_text == "" and not whole.finished

@@ -1,8 +1,9 @@
 """Scheduler policies on a pure-Python loop (no model): fake sampled tokens."""
-from shardserve.config import SchedulerConfig
+from shardserve.config import SchedulerConfig, SpeculativeConfig
 from shardserve.engine.block_manager import BlockManager
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken
 from shardserve.engine.scheduler import Scheduler
+from shardserve.engine.speculator import Speculator, accept_proposals
 from shardserve.request import FinishReason, Request, SamplingParams
 
 
@@ -17,7 +18,7 @@ def req(rid, n_prompt, max_tokens=4, priority=0, first=1, **kw) -> Request:
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    result = ModelRunnerOutput({q.req_id: SampledToken(token) for q in out.seqs if q.sample})
+    result = ModelRunnerOutput({q.req_id: [SampledToken(token)] for q in out.seqs if q.sample})
     s.update(out, result)
     return out
 
@@ -119,3 +120,65 @@ def test_a_better_request_that_cannot_be_admitted_does_not_stall_the_rest():
     s.add_request(req("interactive", 3, priority=0))  # no seat free: max_num_seqs
     out = step(s)
     assert [q.req_id for q in out.seqs] == ["batch"]
+
+
+# --- speculative decoding: proposals ride on decode chunks; update keeps what held ----------------
+def speculating(**cfg) -> Scheduler:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2,
+                                        policy="always"))
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(64, 4), max_model_len=64, speculator=spec)
+
+
+def verify(s: Scheduler, out, rows: list[int]):
+    """The runner's answer to a step: every sampling row of a chunk gets a token, then the
+    rows the proposals allow are kept (model_runner.py)."""
+    sampled = {}
+    for q in out.seqs:
+        if q.sample:
+            tokens = [SampledToken(t) for t in rows[: 1 + len(q.spec_token_ids)]]
+            sampled[q.req_id] = accept_proposals(tokens, q.spec_token_ids)
+    result = ModelRunnerOutput(sampled)
+    s.update(out, result)
+    return result
+
+
+def test_proposals_ride_on_the_decode_chunk_and_rejected_ones_are_rolled_back():
+    s = speculating()
+    s.add_request(req("a", 6, max_tokens=20))  # prompt 1 2 3 4 5 6
+    r = s.requests["a"]
+    verify(s, s.schedule(), [2])  # prefill samples 2: "... 6 2"; "2" occurred before, followed by 3 4 5
+    out = s.schedule()
+    assert [(q.start_pos, q.num_tokens, q.spec_token_ids) for q in out.seqs] == [(6, 4, [3, 4, 5])]
+    result = verify(s, out, [3, 4, 9, 8])  # 3 and 4 hold, 5 does not: the model put 9 there
+    assert [t.token_id for t in result.sampled["a"]] == [3, 4, 9]
+    assert r.output_token_ids == [2, 3, 4, 9]
+    assert r.num_computed_tokens == 9 and r.num_tokens == 10  # KV of 6 2 3 4; 9 is computed next step
+    assert s.speculator.stats.num_draft_tokens == 3 and s.speculator.stats.accepted_per_position == [1, 1, 0]
+
+
+def test_a_stop_inside_a_verified_chunk_drops_the_tokens_after_it():
+    s = speculating()
+    s.add_request(req("a", 6, max_tokens=20, stop_token_ids=(4,)))
+    verify(s, s.schedule(), [2])
+    result = verify(s, s.schedule(), [3, 4, 5, 6])  # all three proposals hold, but 4 is a stop token
+    assert [t.token_id for t in result.sampled["a"]] == [3, 4] and "a" not in s.requests
+    assert s.block_manager.num_free_blocks == 64
+
+
+def test_proposals_stay_within_max_tokens_budget_and_free_blocks():
+    s = speculating()
+    s.add_request(req("a", 6, max_tokens=3))
+    verify(s, s.schedule(), [2])
+    out = s.schedule()  # room for two more tokens, this step's included: one proposal at most
+    assert out.seqs[0].spec_token_ids == [3]
+    s = speculating(max_num_batched_tokens=2)
+    s.add_request(req("a", 2, max_tokens=20))  # prompt 1 2
+    verify(s, s.schedule(), [1])  # "1 2 1": 1 was followed by "2 1"
+    out = s.schedule()  # the step's token budget of 2 leaves room for one proposal
+    assert [(q.num_tokens, q.spec_token_ids) for q in out.seqs] == [(2, [2])]
+    s = speculating()
+    s.block_manager = s.block_manager.__class__(2, 4)  # prompt 6 + 1 token fill both blocks
+    s.add_request(req("a", 6, max_tokens=20))
+    verify(s, s.schedule(), [2])
+    out = s.schedule()  # proposals would need a third block: a plain decode instead, nothing preempted
+    assert [(q.num_tokens, q.spec_token_ids) for q in out.seqs] == [(1, [])] and out.num_preemptions == 0

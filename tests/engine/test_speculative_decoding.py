@@ -1,0 +1,114 @@
+"""Speculative decoding (n-gram proposals, engine/speculator.py): a request's tokens are the same
+with speculation on and off, greedy and seeded, whatever else the step holds; proposals that do
+not hold are rolled back; stop conditions met inside a verified chunk end the request there."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shardserve.config import ConfigError
+from shardserve.llm import LLM
+from shardserve.request import Resume, SamplingParams
+
+ALWAYS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+          "policy": "always"}
+
+
+def tiny_llm(path, speculative_config=None, **kwargs) -> LLM:
+    args = dict(dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_model_len=512, show_progress=False)
+    return LLM(str(path), speculative_config=speculative_config, **{**args, **kwargs})
+
+
+def prompts(seed: int, n: int = 6) -> list[list[int]]:
+    """Prompts that repeat a phrase (something to look up) and plain random ones."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(2, 384) for _ in range(rng.randrange(3, 12))]
+        out.append(phrase * rng.randrange(2, 5) if i % 2 == 0 else [rng.randrange(2, 384) for _ in range(40)])
+    return out
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=48, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+def test_same_tokens_with_and_without_speculation(tiny_checkpoints, family):
+    plain, spec = tiny_llm(tiny_checkpoints[family]), tiny_llm(tiny_checkpoints[family], ALWAYS)
+    for params in (GREEDY, SEEDED):
+        batch = prompts(1)
+        expected = [o.outputs[0].token_ids for o in plain.generate(batch, params)]
+        got = [o.outputs[0].token_ids for o in spec.generate(batch, params)]
+        assert got == expected, params.temperature
+    stats = spec.engine.speculator.stats
+    # both outcomes happened: proposals that held (several tokens a step) and ones rolled back
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_same_tokens_with_chunked_prefill_prefix_cache_and_preemption(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    batch = prompts(2, 8)
+    expected = [o.outputs[0].token_ids for o in tiny_llm(path).generate(batch, GREEDY)]
+    # 10 blocks of 16 tokens for 8 requests growing to 4-6 blocks: preemptions; prompts in chunks of 7
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 2  # layers x (K, V) x kv heads x head_dim x block x bf16
+    spec = tiny_llm(path, ALWAYS, kv_cache_memory_bytes=10 * block_bytes, max_num_batched_tokens=64,
+                    max_prefill_chunk_tokens=7, max_model_len=128)
+    assert spec.engine.block_manager.num_blocks == 10
+    got = [o.outputs[0].token_ids for o in spec.generate(batch, GREEDY)]
+    again = [o.outputs[0].token_ids for o in spec.generate(batch, GREEDY)]  # prompts now in the prefix cache
+    assert got == expected and again == expected
+    assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_seeded_request_resumes_exactly_with_speculation(tiny_checkpoints):
+    llm = tiny_llm(tiny_checkpoints["llama"], ALWAYS)
+    prompt = prompts(3)[0]
+    full = llm.generate([prompt], SEEDED)[0].outputs[0].token_ids
+    for cut in (1, 17):
+        engine = llm.engine
+        rest = SamplingParams(**{**SEEDED.__dict__})
+        engine.add_request(f"resumed-{cut}", prompt, rest, resume=Resume(tuple(full[:cut])))
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        assert final.outputs[0].token_ids == full
+
+
+def test_stops_inside_a_verified_chunk_end_the_request_there(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    plain, spec = tiny_llm(path), tiny_llm(path, ALWAYS)
+    batch = prompts(4)
+    free = [o.outputs[0].token_ids for o in plain.generate(batch, GREEDY)]
+    stop_ids = sorted({ids[20] for ids in free})  # each output's 21st token stops it (or an earlier one)
+    for params in (SamplingParams(temperature=0, max_tokens=48, stop_token_ids=stop_ids),
+                   SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2,
+                                  repetition_penalty=1.3)):
+        expected = plain.generate(batch, params)
+        got = spec.generate(batch, params)
+        for e, g in zip(expected, got):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids
+            assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (e.outputs[0].finish_reason,
+                                                                               e.outputs[0].stop_reason)
+            assert g.outputs[0].logprobs == e.outputs[0].logprobs
+
+
+def test_stop_string_inside_a_verified_chunk(smollm2_path):
+    args = dict(dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=256, show_progress=False)
+    text = "Repeat exactly: one two three four five six seven eight.\nRepeat exactly: one two three four"
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[" six"])
+    expected = LLM("smollm2", **args).generate(text, params)[0].outputs[0]
+    spec = LLM("smollm2", speculative_config=ALWAYS, **args)
+    got = spec.generate(text, params)[0].outputs[0]
+    assert (got.text, got.token_ids, got.stop_reason) == (expected.text, expected.token_ids, " six")
+    assert spec.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_speculative_config_errors():
+    with pytest.raises(ConfigError, match="unknown speculative method"):
+        tiny_llm("smollm2", {"method": "eagle3"})
+    with pytest.raises(ConfigError, match="unknown speculative_config keys"):
+        tiny_llm("smollm2", {"method": "ngram", "num_speculative_token": 3})
