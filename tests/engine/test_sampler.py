@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from shardserve.engine.sampler import SamplingState, argmax_suffices, sample
+from shardserve.engine.sampler import SamplingState, _probabilities, argmax_suffices, sample
 from shardserve.request import InvalidRequestError, SamplingParams
 
 
@@ -66,6 +66,33 @@ def test_top_k_top_p_min_p_restrict_the_support():
                             (dict(min_p=0.3), {0, 1})]:
         seen = {sample(logits, [state(seed=s, **params)])[0].token_id for s in range(300)}
         assert seen == allowed, params
+
+
+def reference_probabilities(logits, params):
+    """top-k, top-p and min-p by sorting whole rows, the rule written out plainly."""
+    rows = []
+    for row, p in zip(logits, params):
+        row = row / p.temperature
+        if p.top_k > 0:
+            row = row.masked_fill(row < row.sort(descending=True).values[p.top_k - 1], float("-inf"))
+        probs = row.softmax(-1)
+        values, order = probs.sort(descending=True)
+        probs = torch.zeros_like(probs).scatter_(0, order, values.masked_fill(values.cumsum(-1) - values >= p.top_p, 0))
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
+        rows.append(probs / probs.sum())
+    return torch.stack(rows)
+
+
+def test_top_k_and_top_p_from_candidates_match_sorting_the_whole_row():
+    """Peaked rows find their nucleus among 256 candidates, flatter ones among 4,096, flat ones
+    in the whole row: all three paths are taken, and each keeps exactly the sorted rule's tokens."""
+    torch.manual_seed(0)
+    logits = torch.cat([torch.randn(4, 49152) * scale for scale in (0.3, 3.0, 12.0)])
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m) for t, p, k, m in
+              [(1.0, 0.9, -1, 0), (0.7, 0.5, -1, 0), (1.0, 0.99, 40, 0), (1.3, 0.95, 3000, 0.01)] * 3]
+    ours = _probabilities(logits, params)
+    assert torch.equal(ours > 0, reference_probabilities(logits, params) > 0)
+    torch.testing.assert_close(ours, reference_probabilities(logits, params), rtol=1e-5, atol=1e-9)
 
 
 def test_penalties_and_min_tokens():
