@@ -97,7 +97,7 @@ async def _stream_completion(client: httpx.AsyncClient, url: str, body: dict, st
             await response.aread()
             state.error = f"HTTP {response.status_code}: {_error_message(response.text)}"
             return
-        async for line in response.aiter_lines():
+        async for line in _sse_lines(response):
             if not line.startswith("data:"):
                 continue  # blank separators, comments, `event:` lines
             payload = line[len("data:"):].strip()
@@ -117,6 +117,19 @@ async def _stream_completion(client: httpx.AsyncClient, url: str, body: dict, st
             usage = event.get("usage")
             if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                 state.usage_output_tokens = usage["completion_tokens"]
+
+
+async def _sse_lines(response: httpx.Response):
+    """The stream's lines, ended by LF, CR LF or CR only, as SSE defines them (httpx's aiter_lines
+    also splits at U+2028, U+0085 and the like, which JSON may carry raw inside a string)."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
 
 
 def _chunk_text(event: dict) -> str:

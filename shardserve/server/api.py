@@ -280,8 +280,13 @@ async def _sse(async_engine: AsyncEngine, call: Call, streams: list[RequestStrea
             s.close()
 
 
+# Characters JSON may carry raw that line readers built on str.splitlines (httpx's aiter_lines,
+# among others) take for line ends: escaped, so an event stays one line for every client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -67,7 +67,8 @@ async def _events(body: dict, seen: FakeBackend):
                 return
             if i:
                 await asyncio.sleep(body.get("fake_itl_s", 0.0))
-            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}', 'finish_reason': None}]})}\n\n"
+            text = body.get("fake_text", "t{i}").format(i=i)
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text, 'finish_reason': None}]}, ensure_ascii=False)}\n\n"
         yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
         if body.get("fake_usage", True) and body.get("stream_options", {}).get("include_usage"):
             usage = {"prompt_tokens": 1, "completion_tokens": body["max_tokens"], "total_tokens": 0}
@@ -233,3 +234,13 @@ def test_cli_bad_flags_raise_config_error(argv, message):
     args = parse_bench_args(["--base-url", "http://127.0.0.1:9", *argv])
     with pytest.raises(ConfigError, match=message):
         run_bench_command(args)
+
+
+def test_stream_lines_end_at_line_feeds_only(fake_server):
+    """JSON may carry U+2028, U+2029 and U+0085 raw inside a string (a model's text): they do not
+    end an SSE line, so every event still parses."""
+    base_url, _ = fake_server
+    result = run_benchmark_sync(base_url, specs(2, 4), concurrency=2, show_progress=False,
+                                extra_body={"fake_text": "a\u2028b\x85c\u2029{i}"})
+    assert (result.num_ok, result.num_failed, result.total_output_tokens) == (2, 0, 8)
+    assert all(len(r.chunk_times_s) == 4 for r in result.records)

@@ -110,3 +110,15 @@ def test_models(server):
     assert listing["object"] == "list"
     for card in listing["data"] + [httpx.get(f"{server}/v1/models/smol").json()]:
         check(Model.model_validate(card))
+
+
+def test_stream_events_keep_unicode_line_separators_escaped():
+    """A model's text may hold U+2028, U+2029 or U+0085: raw in an SSE event they would split it
+    for readers that end lines as str.splitlines does; escaped, the event is one line and the
+    same JSON."""
+    from shardserve.server.api import _event
+
+    payload = {"choices": [{"text": "a\u2028b\x85c\u2029d é"}]}
+    event = _event(payload)
+    assert event.endswith("\n\n") and len(event.rstrip("\n").splitlines()) == 1
+    assert json.loads(event.removeprefix("data: ")) == payload and "é" in event
