@@ -287,7 +287,8 @@ def serving_token_budget(on_cpu: bool) -> int:
     return 512 if on_cpu else SchedulerConfig.max_num_batched_tokens
 
 
-SPECULATIVE_METHODS = ("ngram",)  # SpeculativeConfig.method: engine/ngram_proposer.py
+# SpeculativeConfig.method: engine/ngram_proposer.py, engine/draft_proposer.py
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -295,11 +296,13 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): each decoding request may carry up to
     `num_speculative_tokens` proposed tokens, verified by the target model in the same step.
     "ngram" proposes the tokens that followed the latest earlier occurrence of the request's last
-    `prompt_lookup_max` .. `prompt_lookup_min` tokens (prompt lookup). Whether a step speculates,
-    and how far, is the policy's call (engine/speculation_policy.py); `disable_by_batch_size`
-    also switches it off at that many running requests, as in vLLM."""
+    `prompt_lookup_max` .. `prompt_lookup_min` tokens (prompt lookup); "draft_model" (implied by
+    `model`) the greedy guesses of a smaller model that shares the target's tokenizer. Whether a
+    step speculates, and how far, is the policy's call (engine/speculation_policy.py);
+    `disable_by_batch_size` also switches it off at that many running requests, as in vLLM."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" with a `model`, else "ngram"
+    model: str | None = None  # the draft: an HF folder, a .gguf file or an embedded name
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -309,9 +312,13 @@ class SpeculativeConfig:
     policy: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"unknown speculative method {self.method!r}; choose one of "
                               f"{', '.join(SPECULATIVE_METHODS)}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative method draft_model takes a draft `model`, and only it does")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -372,6 +379,9 @@ class EngineConfig:
                               f"{', '.join(QUANTIZATION_METHODS)}")
         if self.parallel.dp_attention:
             raise ConfigError("dp_attention is a layout `shardserve plan` prices; the engine does not run it")
+        if self.speculative and self.speculative.method == "draft_model" and self.parallel.world_size > 1:
+            raise ConfigError("a draft model runs in a single-process replica for now; use the ngram method "
+                              "with tp/pp/ep")
 
 
 @dataclass(frozen=True)

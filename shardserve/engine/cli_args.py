@@ -46,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
-                             '(docs/speculative_decoding.md)')
+                             'or \'{"model": DRAFT, "num_speculative_tokens": 3}\' (docs/speculative_decoding.md)')
     par = parser.add_argument_group("parallelism (see docs/parallelism.md)")
     par.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
     par.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline stages")

@@ -40,6 +40,7 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # the runner may drop their state
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # a draft model's guesses to make after this step, per sampled request
 
     @property
     def is_empty(self) -> bool:
@@ -58,6 +59,7 @@ class ModelRunnerOutput:
     # req_id -> the tokens it got this step: one, or after a verification the proposals that
     # held and the token sampled after them
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    proposals: dict[str, list[int]] | None = None  # a draft model's guesses for the next step
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 
 from shardserve.config import EngineConfig
 from shardserve.engine.cuda_graphs import decode_graphs
+from shardserve.engine.draft_proposer import load_draft
 from shardserve.engine.engine import LLMEngine
 from shardserve.engine.executor import LocalExecutor, ParallelExecutor, run_worker_loop
 from shardserve.engine.model_loader import load_model
@@ -32,7 +33,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.parallel.world_size == 1:
         loaded = load_model(config)
         graphs = decode_graphs(loaded, config.scheduler.max_num_seqs, config.enforce_eager)
-        return LLMEngine(config, loaded, LocalExecutor(ModelRunner.for_model(loaded, graphs)), thread_governor(config))
+        spec = config.speculative
+        draft = load_draft(config, loaded) if spec and spec.method == "draft_model" else None
+        runner = ModelRunner.for_model(loaded, graphs, draft)
+        return LLMEngine(config, loaded, LocalExecutor(runner), thread_governor(config))
     # a bad path or an impossible layout fails here, in one line, before any rank starts
     config.parallel.validate(load_checkpoint(config.model).config)
     ranks = start_ranks(config, run_worker)

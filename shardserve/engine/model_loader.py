@@ -48,9 +48,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> LoadedModel:
+def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_num_blocks: int | None = None) -> LoadedModel:
     """Load this rank's share of the model (all of it in a single process) and its KV cache.
-    In a parallel replica every rank calls this; the ranks agree on one number of KV blocks."""
+    In a parallel replica every rank calls this; the ranks agree on one number of KV blocks.
+    `kv_num_blocks` sets the pool's size instead of the memory budget (a draft model's)."""
     groups = groups or ParallelGroups.single()
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -73,7 +74,11 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None) -> Lo
     model.eval()
     if device.type == "cpu":
         _return_freed_heap()
-    kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
+    if kv_num_blocks is None:
+        kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
+    else:
+        kv_cache = KVCache.allocate(model.kv_shape, kv_num_blocks, config.cache.block_size, dtype, device,
+                                    prefault=config.cache.prefault_kv_cache)
     eos = tuple(dict.fromkeys(model_config.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
     grammars = Grammars(tokenizer, model_config.vocab_size, eos)
     return LoadedModel(model, model_config, tokenizer, kv_cache, max_model_len, eos, device, dtype, groups, attention,

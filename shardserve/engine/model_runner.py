@@ -10,6 +10,7 @@ import torch
 
 from shardserve.config import ModelConfig
 from shardserve.engine.cuda_graphs import DecodeGraphs
+from shardserve.engine.draft_proposer import DraftProposer, DraftRequest
 from shardserve.engine.grammar import Grammars, bitmask_words
 from shardserve.engine.interface import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from shardserve.engine.kv_cache import KVCache
@@ -67,7 +68,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, kv_cache: KVCache,
                  eos_token_ids: tuple[int, ...], device: torch.device, attention: AttentionBackend,
-                 grammars: Grammars | None = None, graphs: DecodeGraphs | None = None):
+                 grammars: Grammars | None = None, graphs: DecodeGraphs | None = None,
+                 draft: DraftProposer | None = None):
         self.model = model
         self.model_config = model_config
         self.kv_cache = kv_cache
@@ -76,15 +78,16 @@ class ModelRunner:
         self.attention = attention
         self.grammars = grammars  # for requests with structured outputs
         self.graphs = graphs  # decode steps replayed from CUDA graphs (GPU, one process)
+        self.draft = draft  # speculative decoding's draft model (one process)
         self.states: dict[str, SamplingState] = {}
         if device.type == "cpu":  # compiled now (then cached on disk), not while a first request waits
             build_all()
 
     @classmethod
-    def for_model(cls, loaded, graphs: DecodeGraphs | None = None) -> "ModelRunner":
+    def for_model(cls, loaded, graphs: DecodeGraphs | None = None, draft: DraftProposer | None = None) -> "ModelRunner":
         """The runner of a loaded model (engine/model_loader.py's LoadedModel)."""
         return cls(loaded.model, loaded.model_config, loaded.kv_cache, loaded.eos_token_ids, loaded.device,
-                   loaded.attention, loaded.grammars, graphs)
+                   loaded.attention, loaded.grammars, graphs, draft)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, stage: "Stage | None" = None) -> ModelRunnerOutput:
@@ -101,7 +104,12 @@ class ModelRunner:
             sampled.update(stage.compute(lambda: self._run_stage(inputs, hidden_in, stage)))
         sampled = stage.finish(sampled)
         self.record(sampled)
-        return ModelRunnerOutput(sampled)
+        proposals = None if self.draft is None else {}  # {}: this step's guesses replace the last
+        if self.draft is not None and sched.num_draft_tokens:
+            blocks = {seq.req_id: seq.block_ids for seq in sched.seqs}
+            proposals = self.draft.propose([DraftRequest(r, self.states[r].token_ids, blocks[r]) for r in sampled],
+                                           sched.num_draft_tokens)
+        return ModelRunnerOutput(sampled, proposals)
 
     def forward(self, inputs: "StepInputs", hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """The model's output rows of one step: replayed from a decode graph where one covers it."""
@@ -125,6 +133,8 @@ class ModelRunner:
         """Forget finished requests; remember new ones (their tokens and sampling state)."""
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            if self.draft is not None:
+                self.draft.forget(req_id)
         for new in sched.new_requests:
             self.states[new.req_id] = SamplingState(
                 new.params, new.seed, list(new.token_ids), new.num_prompt_tokens, self.eos_token_ids

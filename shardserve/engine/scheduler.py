@@ -92,6 +92,8 @@ class Scheduler:
         first = [r for r in self.running if urgent is None or r.priority <= urgent]
         later = [r for r in self.running if urgent is not None and r.priority > urgent]
         drafts = self._proposals()
+        if self.speculator is not None:
+            out.num_draft_tokens = self.speculator.num_draft_tokens
         budget, preempted = self._schedule_running(out, first, budget, drafts)
         if not preempted:
             num_admitted = len(out.new_requests)
@@ -123,7 +125,7 @@ class Scheduler:
                 continue
             spec = drafts.get(req.req_id, [])[: budget - 1]
             if spec and self.block_manager.can_allocate(req, 1 + len(spec)):  # never preempt for proposals
-                self.block_manager.allocate(req, 1 + len(spec))
+                self._allocate(req, 1 + len(spec), sample=True)
                 out.seqs.append(self._scheduled(req, 1 + len(spec), spec))
                 budget -= 1 + len(spec)
                 continue
@@ -137,7 +139,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            self.block_manager.allocate(req, num_new)
+            self._allocate(req, num_new, sample=req.num_computed_tokens + num_new == req.num_tokens)
             out.seqs.append(self._scheduled(req, num_new))
             budget -= num_new
         return budget, preempted
@@ -153,7 +155,8 @@ class Scheduler:
             num_hit_tokens = len(hits) * self.block_manager.block_size
             if req.num_computed_tokens == 0:
                 self.block_manager.record_prefix_lookup(req.num_tokens, num_hit_tokens)
-            self.block_manager.allocate(req, num_new, hits)
+            self._allocate(req, num_new, req.num_computed_tokens + len(hits) * self.block_manager.block_size
+                           + num_new == req.num_tokens, hits)
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
@@ -166,6 +169,14 @@ class Scheduler:
             out.seqs.append(self._scheduled(req, num_new))
             budget -= num_new
         return budget
+
+    def _allocate(self, req: Request, num_new: int, sample: bool, hits: list[int] = ()) -> None:
+        """Blocks for the chunk, and for a chunk that samples the speculator's lookahead slots
+        too when the pool has them free (they never preempt anyone)."""
+        extra = self.speculator.lookahead if self.speculator is not None and sample else 0
+        if extra and self.block_manager.can_allocate(req, num_new + extra, hits):
+            num_new += extra
+        self.block_manager.allocate(req, num_new, hits)
 
     def _chunk_size(self, req: Request, budget: int, num_skipped: int = 0) -> int:
         remaining = req.num_tokens - req.num_computed_tokens - num_skipped
@@ -195,6 +206,8 @@ class Scheduler:
         KV of the proposals that held; tokens after one that stops the request are dropped from
         `result.sampled` too, so it holds what each request kept."""
         updated = []
+        if result.proposals is not None:
+            self.speculator.keep_drafts(result.proposals)
         for seq in sched.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -1,18 +1,21 @@
 """Speculative decoding, the scheduler's side: which decoding requests carry proposed tokens this
 step, and what became of them.
 
-    schedule:  drafts = speculator.propose(decoding requests)   proposer + policy
+    schedule:  drafts = speculator.propose(decoding requests)   n-gram lookup now, or the draft
+                                                                model's guesses from the last step;
+                                                                the policy picks how many to verify
     runner:    the target model computes [last token, d_1 .. d_k] as one chunk and samples every
-               row; d_j is kept while it equals the token sampled before it (model_runner.py)
+               row; d_j is kept while it equals the token sampled before it (model_runner.py);
+               a draft model then guesses the next step's (draft_proposer.py)
     update:    speculator.record(k, accepted)                    acceptance statistics
 
 Verification samples each row exactly as plain decoding would sample that position (the draw
 is a function of seed and position, engine/sampler.py), and a chunk's rows come out of the
 model bit for bit as one-token steps would (the engine's batch invariance). So a request's
 tokens are the same with speculation on or off, greedy or seeded, and the router's exact resume
-holds. With a proposer that puts all its mass on one token, as n-gram lookup does, accepting
-d_j when it equals the target's sample is standard rejection sampling: accepted with probability
-p(d_j), and on rejection the token drawn is the target's own sample.
+holds. With a proposer that puts all its mass on one token, as n-gram lookup and a greedy draft
+do, accepting d_j when it equals the target's sample is standard rejection sampling: accepted
+with probability p(d_j), and on rejection the token drawn is the target's own sample.
 
 Requests with structured outputs get no proposals: their grammar state would have to be rolled
 back past a rejected token.
@@ -55,11 +58,24 @@ class SpeculationStats:
 
 
 class Speculator:
+    """Proposals come from n-gram lookup, made here at schedule time, or from a draft model,
+    made by the runner after each step (`ModelRunnerOutput.proposals`) and kept here for the
+    next; the policy decides how many of them a step verifies, and for a draft model also how
+    many the runner proposes after it (`SchedulerOutput.num_draft_tokens`)."""
+
     def __init__(self, config: SpeculativeConfig, policy: SpeculationPolicy | None = None):
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None
         self.policy = policy or SpeculationPolicy(config.num_speculative_tokens)
+        self._drafted: dict[str, list[int]] = {}  # a draft model's proposals for the next step
+        self.num_draft_tokens = 0  # how many the draft model proposes after this step
         self.clear_stats()
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a sampling request needs past its chunk: where a draft model computes its
+        guesses after the step."""
+        return 0 if self.ngram else self.config.num_speculative_tokens
 
     def clear_stats(self) -> None:
         self.stats = SpeculationStats(accepted_per_position=[0] * self.config.num_speculative_tokens)
@@ -68,6 +84,7 @@ class Speculator:
         """Proposals for this step: `decoding` holds each running request whose next chunk is
         one token, with the most tokens it may still generate after that one. Returns
         req_id -> proposed tokens for the requests that carry some (none when the policy says so)."""
+        self.num_draft_tokens = 0
         limit = self.config.disable_by_batch_size
         if limit is not None and num_running >= limit:
             return {}
@@ -75,14 +92,24 @@ class Speculator:
         proposals = {}
         for req, room in decoding:
             if req.params.structured_outputs is None and room > 0:
-                proposal = self.proposer.propose(req.req_id, req.all_token_ids, min(k, room))
+                proposal = (self.ngram.propose(req.req_id, req.all_token_ids, min(k, room)) if self.ngram
+                            else self._drafted.get(req.req_id, [])[:room])
                 if proposal:
                     proposals[req.req_id] = proposal
-        if not proposals:
+        if self.ngram and not proposals:
             return {}
         if self.config.policy == "auto":
-            k = self.policy.num_drafts([len(proposals.get(req.req_id, ())) for req, _ in decoding])
+            # a draft model can always propose: the policy weighs k of them, and its answer also
+            # says how many the runner proposes for the next step
+            lengths = [len(proposals.get(req.req_id, ())) if self.ngram else k for req, _ in decoding]
+            k = self.policy.num_drafts(lengths)
+        if not self.ngram:
+            self.num_draft_tokens = k
         return {req_id: p[:k] for req_id, p in proposals.items()} if k else {}
+
+    def keep_drafts(self, proposals: dict[str, list[int]]) -> None:
+        """The draft model's proposals after a step, for the next one."""
+        self._drafted = proposals
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.stats.num_drafts += 1
@@ -97,4 +124,6 @@ class Speculator:
         self.policy.end_step()
 
     def forget(self, req_id: str) -> None:
-        self.proposer.forget(req_id)
+        if self.ngram:
+            self.ngram.forget(req_id)
+        self._drafted.pop(req_id, None)

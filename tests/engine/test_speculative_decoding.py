@@ -112,3 +112,50 @@ def test_speculative_config_errors():
         tiny_llm("smollm2", {"method": "eagle3"})
     with pytest.raises(ConfigError, match="unknown speculative_config keys"):
         tiny_llm("smollm2", {"method": "ngram", "num_speculative_token": 3})
+
+
+# --- a draft model ------------------------------------------------------------------------------
+def draft_config(path, **extra) -> dict:
+    return {"model": str(path), "num_speculative_tokens": 3, "policy": "always", **extra}
+
+
+def test_the_target_as_its_own_draft_is_accepted_every_time(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    batch = prompts(5)
+    expected = [o.outputs[0].token_ids for o in tiny_llm(path).generate(batch, GREEDY)]
+    spec = tiny_llm(path, draft_config(path))
+    got = [o.outputs[0].token_ids for o in spec.generate(batch, GREEDY)]
+    stats = spec.engine.speculator.stats
+    assert got == expected
+    # greedy guesses of the same model are its own greedy tokens: every proposal holds, and a
+    # step yields 1 + 3 tokens per request (fewer only where max_tokens cuts it short)
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.num_drafts <= len(batch) * (GREEDY.max_tokens // 4 + 1)
+
+
+@pytest.mark.parametrize("family,draft", [("llama", "llama3"), ("mixtral", "llama")])
+def test_a_different_draft_changes_no_token(tiny_checkpoints, family, draft):
+    """A random draft of another shape (the tiny models share their 384-token vocabulary) is
+    mostly wrong: greedy and seeded outputs stay the target's own, with preemptions too."""
+    path = tiny_checkpoints[family]
+    batch = prompts(6, 8)
+    plain = tiny_llm(path, max_model_len=128)
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 2
+    spec = tiny_llm(path, draft_config(tiny_checkpoints[draft]), max_model_len=128,
+                    kv_cache_memory_bytes=10 * block_bytes if family == "llama" else 16 << 20)
+    for params in (GREEDY, SEEDED):
+        assert ([o.outputs[0].token_ids for o in spec.generate(batch, params)]
+                == [o.outputs[0].token_ids for o in plain.generate(batch, params)]), params.temperature
+    stats = spec.engine.speculator.stats
+    assert 0 <= stats.num_accepted_tokens < stats.num_draft_tokens
+    if family == "llama":
+        assert spec.engine.scheduler.num_preemptions > 0
+
+
+def test_draft_model_errors(tiny_checkpoints):
+    with pytest.raises(ConfigError, match="takes a draft `model`"):
+        tiny_llm(tiny_checkpoints["llama"], {"method": "draft_model"})
+    with pytest.raises(ConfigError, match="single-process"):
+        tiny_llm(tiny_checkpoints["llama"], {"model": "smollm2"}, tp_size=2)
+    with pytest.raises(ConfigError, match="share the target's tokenizer"):
+        tiny_llm(tiny_checkpoints["llama"], {"model": "smollm2"})

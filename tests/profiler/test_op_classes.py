@@ -32,10 +32,12 @@ def test_op_classes_sum_to_the_step(engine, point):
     with StepProbe(engine) as probe:
         m = measure_point(probe, batches, point, SWEEP)
     assert not engine.has_unfinished_requests()  # the point cleans up after itself
-    # the profiled trace's self times partition the profiled step (what the profiler itself adds
-    # between the step's start and its first event is the only slack; loose, since another
-    # process on the 2 shared cores can stretch either measurement)
-    assert m.profiled.total_s == pytest.approx(m.profiled_total_s, rel=0.5)
+    # the profiled trace's self times partition the profiled step: never more than its wall time,
+    # and most of it (what the profiler itself adds between the step's start and its first event
+    # is the slack; loose below, since another process on the 2 shared cores can stretch a
+    # 4 ms step's wall time: seen 3.6 of 8.5 ms once in a full suite run)
+    assert m.profiled.total_s <= m.profiled_total_s * 1.05
+    assert m.profiled.total_s >= m.profiled_total_s * 0.25
     # rescaled onto the median unprofiled step, the classes sum to it exactly
     assert sum(m.class_s.values()) == pytest.approx(m.timing.total_s, rel=1e-9)
     assert sum(m.timing.phase_s.values()) == pytest.approx(m.timing.total_s, rel=1e-9)
