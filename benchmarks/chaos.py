@@ -23,7 +23,9 @@ replicas are replaced by fresh ones before the next case.
                       before the stream, never an error after the 200
 
 Run
-    .venv/bin/python benchmarks/chaos.py [--cases two_killed,...]
+    .venv/bin/python benchmarks/chaos.py [--cases two_killed,...] [--replica-args ARGS --tag NAME]
+    (`--replica-args` go to every replica, e.g. '--speculative-config {"method":"ngram"}'; the
+    results then go to chaos_NAME.json)
     The last line is `RESULT {case: {"completed", "identical", "client_errors", "errors_after_200",
     "idle_after"}, ...}`, also saved as benchmarks/results/chaos.json. Target: every stream that
     was not abandoned completes, no client error, 100% identical, idle afterwards. Run it alone.
@@ -35,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import sys
 import threading
@@ -301,7 +304,10 @@ CASES = {"two_killed": case_two_killed, "kill_in_prefill": case_kill_in_prefill,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join([*CASES, "prefix_owner", "overload"]))
+    parser.add_argument("--replica-args", default="", help="more `serve` flags for every replica")
+    parser.add_argument("--tag", default=None, help="results in chaos_TAG.json")
     args = parser.parse_args()
+    extra = shlex.split(args.replica_args)
     wanted = args.cases.split(",")
     summary: dict = {}
     start = time.perf_counter()
@@ -310,14 +316,14 @@ def main() -> None:
         for name in [c for c in CASES if c in wanted]:
             # prompts prefilled 128 tokens a step: a 700-token prompt's prefill spans several
             # steps, so kill_in_prefill's watcher sees it (at 512 it sometimes missed it)
-            fleet = fleet or Fleet(stack, ["--max-num-batched-tokens", "128"], "round_robin")
+            fleet = fleet or Fleet(stack, ["--max-num-batched-tokens", "128", *extra], "round_robin")
             asyncio.run(run_streams(fleet.router_url, specs(6, lambda i: "warm up")))
             summary[name] = CASES[name](fleet)
             print(f"[{time.perf_counter() - start:5.0f} s] {name}: {json.dumps(summary[name])}", flush=True)
             fleet.replace_dead()
     if "prefix_owner" in wanted:
         with ExitStack() as stack:
-            fleet = Fleet(stack, [], "prefix_aware")
+            fleet = Fleet(stack, extra, "prefix_aware")
             summary["prefix_owner"] = case_prefix_owner(fleet)
             print(f"[{time.perf_counter() - start:5.0f} s] prefix_owner: {json.dumps(summary['prefix_owner'])}", flush=True)
     if "overload" in wanted:
@@ -325,7 +331,7 @@ def main() -> None:
             summary["overload"] = case_overload(stack)
             print(f"[{time.perf_counter() - start:5.0f} s] overload: {json.dumps(summary['overload'])}", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "chaos.json").write_text(json.dumps(summary, indent=1))
+    (RESULTS / (f"chaos_{args.tag}.json" if args.tag else "chaos.json")).write_text(json.dumps(summary, indent=1))
     print("RESULT " + json.dumps(summary))
 
 

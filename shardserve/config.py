@@ -379,9 +379,6 @@ class EngineConfig:
                               f"{', '.join(QUANTIZATION_METHODS)}")
         if self.parallel.dp_attention:
             raise ConfigError("dp_attention is a layout `shardserve plan` prices; the engine does not run it")
-        if self.speculative and self.speculative.method == "draft_model" and self.parallel.world_size > 1:
-            raise ConfigError("a draft model runs in a single-process replica for now; use the ngram method "
-                              "with tp/pp/ep")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ TINY_SHAPES = {
                       num_key_value_heads=2, max_position_embeddings=512, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                       norm_topk_prob=False, mlp_only_layers=[1]),
+    # a smaller Llama with the same vocabulary: a draft model for speculative decoding
+    "llama_small": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, max_position_embeddings=512),
     "qwen3_moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
@@ -51,6 +54,7 @@ TINY_SHAPES = {
 
 HF_CLASSES = {  # family -> (model class, config class) in transformers
     "llama": ("LlamaForCausalLM", "LlamaConfig"), "llama3": ("LlamaForCausalLM", "LlamaConfig"),
+    "llama_small": ("LlamaForCausalLM", "LlamaConfig"),
     "mistral": ("MistralForCausalLM", "MistralConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "mixtral": ("MixtralForCausalLM", "MixtralConfig"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"), "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),

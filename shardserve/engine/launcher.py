@@ -15,7 +15,7 @@ import torch
 
 from shardserve.config import EngineConfig
 from shardserve.engine.cuda_graphs import decode_graphs
-from shardserve.engine.draft_proposer import load_draft
+from shardserve.engine.draft_proposer import DraftProposer, load_draft
 from shardserve.engine.engine import LLMEngine
 from shardserve.engine.executor import LocalExecutor, ParallelExecutor, run_worker_loop
 from shardserve.engine.model_loader import load_model
@@ -33,9 +33,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.parallel.world_size == 1:
         loaded = load_model(config)
         graphs = decode_graphs(loaded, config.scheduler.max_num_seqs, config.enforce_eager)
-        spec = config.speculative
-        draft = load_draft(config, loaded) if spec and spec.method == "draft_model" else None
-        runner = ModelRunner.for_model(loaded, graphs, draft)
+        runner = ModelRunner.for_model(loaded, graphs, _draft(config, loaded))
         return LLMEngine(config, loaded, LocalExecutor(runner), thread_governor(config))
     # a bad path or an impossible layout fails here, in one line, before any rank starts
     config.parallel.validate(load_checkpoint(config.model).config)
@@ -44,11 +42,17 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         serve_worker_and_exit(config, ranks, run_worker)
     try:
         loaded = load_model(config, ranks.groups)
+        draft = _draft(config, loaded)  # whole, on the driver: it proposes once the step's tokens are known
     except BaseException:
         ranks.close()
         raise
-    executor = ParallelExecutor(Worker(ModelRunner.for_model(loaded), ranks.groups), ranks)
+    executor = ParallelExecutor(Worker(ModelRunner.for_model(loaded, draft=draft), ranks.groups), ranks)
     return LLMEngine(config, loaded, executor)
+
+
+def _draft(config: EngineConfig, loaded) -> DraftProposer | None:
+    spec = config.speculative
+    return load_draft(config, loaded) if spec and spec.method == "draft_model" else None
 
 
 def thread_governor(config: EngineConfig) -> ThreadGovernor | None:

@@ -133,10 +133,10 @@ def test_the_target_as_its_own_draft_is_accepted_every_time(tiny_checkpoints):
     assert stats.num_drafts <= len(batch) * (GREEDY.max_tokens // 4 + 1)
 
 
-@pytest.mark.parametrize("family,draft", [("llama", "llama3"), ("mixtral", "llama")])
+@pytest.mark.parametrize("family,draft", [("llama", "llama_small"), ("qwen2", "llama_small"), ("mixtral", "llama")])
 def test_a_different_draft_changes_no_token(tiny_checkpoints, family, draft):
-    """A random draft of another shape (the tiny models share their 384-token vocabulary) is
-    mostly wrong: greedy and seeded outputs stay the target's own, with preemptions too."""
+    """A smaller random draft (the tiny models share their 384-token vocabulary) is mostly wrong:
+    greedy and seeded outputs stay the target's own, with preemptions too."""
     path = tiny_checkpoints[family]
     batch = prompts(6, 8)
     plain = tiny_llm(path, max_model_len=128)
@@ -155,7 +155,5 @@ def test_a_different_draft_changes_no_token(tiny_checkpoints, family, draft):
 def test_draft_model_errors(tiny_checkpoints):
     with pytest.raises(ConfigError, match="takes a draft `model`"):
         tiny_llm(tiny_checkpoints["llama"], {"method": "draft_model"})
-    with pytest.raises(ConfigError, match="single-process"):
-        tiny_llm(tiny_checkpoints["llama"], {"model": "smollm2"}, tp_size=2)
     with pytest.raises(ConfigError, match="share the target's tokenizer"):
         tiny_llm(tiny_checkpoints["llama"], {"model": "smollm2"})

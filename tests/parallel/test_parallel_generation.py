@@ -19,13 +19,13 @@ MAX_TOKENS = 6
 
 
 def run_layout(model: Path, tp: int = 1, pp: int = 1, ep: int = 1, micro: int | None = None,
-               speculative: bool = False) -> dict:
+               speculative: str | None = None) -> dict:
     cmd = [sys.executable, str(SCRIPT), str(model), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
            "--max-tokens", str(MAX_TOKENS)]
     if micro:
         cmd += ["--num-micro-batches", str(micro)]
     if speculative:
-        cmd += ["--speculative"]
+        cmd += ["--speculative", speculative]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -78,7 +78,8 @@ LAYOUTS = [
     ("mixtral", dict(tp=2, ep=2)),  # attention tp, experts ep, on the same two ranks
     ("qwen2_moe", dict(tp=2, ep=2)),  # shared expert (tp) and a dense layer
     ("qwen3_moe", dict(ep=2, pp=2)),  # q/k norm; four ranks
-    ("llama", dict(tp=2, pp=2, speculative=True)),  # verified chunks across tp ranks and pipeline micro-batches
+    ("llama", dict(tp=2, pp=2, speculative="ngram")),  # verified chunks across tp ranks and pipeline micro-batches
+    ("qwen2", dict(tp=2, speculative="self-draft")),  # the draft, whole, on the driver; every guess holds
 ]
 
 
@@ -87,4 +88,7 @@ def test_layouts_match_single_process_and_transformers(tiny_checkpoints, referen
     single, hf = references(family)
     result = run_layout(tiny_checkpoints[family], **layout)
     assert_same(result, single, hf)
-    assert result["num_draft_tokens"] > 0 or not layout.get("speculative")
+    if layout.get("speculative"):
+        assert result["num_draft_tokens"] > 0
+    if layout.get("speculative") == "self-draft":
+        assert result["num_accepted_tokens"] == result["num_draft_tokens"]
