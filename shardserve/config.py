@@ -337,7 +337,7 @@ class SpeculativeConfig:
         return cls(**values)
 
 
-QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization: layers/quantization.py
+QUANTIZATION_METHODS = ("fp8", "int8")  # EngineConfig.quantization: layers/quantization.py
 
 
 @dataclass(frozen=True)
@@ -363,7 +363,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # GPU: run every step eagerly, no CUDA graphs for decode steps (engine/cuda_graphs.py)
     enforce_eager: bool = False
-    # the layers' linear weights quantized after loading: None or "fp8" (layers/quantization.py)
+    # the layers' linear weights quantized after loading: None, "fp8" or "int8" (layers/quantization.py)
     quantization: str | None = None
     # kernels whose result for a token does not depend on its batch nor on whether prefill or
     # decode computed it (a resumed stream continues exactly); False also allows faster ones

@@ -36,7 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="load no tokenizer (a checkpoint without one): prompts as token ids, no output text")
     parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                         help="fp8: the layers' linear weights in float8 with per-row scales, activations per "
-                             "token (Hopper/Ada GPUs; on a CPU a reference path, for tests)")
+                             "token (Hopper/Ada GPUs; on a CPU a reference path, for tests); int8: weight-only "
+                             "int8 in blocks of 32 (llama.cpp's Q8_0), activations quantized per block (CPU, "
+                             "AVX512-VNNI)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="GPU: no CUDA graphs; every decode step launches its kernels one by one")
     parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,

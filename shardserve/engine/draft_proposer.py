@@ -44,7 +44,7 @@ class DraftProposer:
         self.attention = attention
         self.device = device
         # req_id -> (the tokens its draft KV was computed from, how many of them are known to be
-        # the request's own: those before the newest token of the previous call)
+        # the request's own: all the tokens it had at the previous call, not the guesses after)
         self._cached: dict[str, tuple[list[int], int]] = {}
 
     def forget(self, req_id: str) -> None:
@@ -68,7 +68,7 @@ class DraftProposer:
         guesses = self._step(inputs, spans)
         proposals = {req.req_id: [g] for (req, _, _), g in zip(live, guesses)}
         for req, _, _ in live:
-            self._cached[req.req_id] = (list(req.token_ids), len(req.token_ids) - 1)
+            self._cached[req.req_id] = (list(req.token_ids), len(req.token_ids))
         for j in range(1, num_tokens):  # the next guess from the previous one, one token each
             batch = [(req, proposals[req.req_id]) for req, _, allowed in live if allowed > j]
             if not batch:
@@ -85,6 +85,7 @@ class DraftProposer:
         tokens are only ever appended to, so only those past the last call's are compared)."""
         cached, valid = self._cached.get(req.req_id, ([], 0))
         n = min(len(cached), len(req.token_ids) - 1)  # the newest token is never in it yet
+        valid = min(valid, n)
         while valid < n and cached[valid] == req.token_ids[valid]:
             valid += 1
         return valid

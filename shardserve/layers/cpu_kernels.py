@@ -14,7 +14,8 @@ _CSRC = Path(__file__).parent / "csrc"
 
 
 # every extension in csrc/
-EXTENSIONS = ("panel_linear", "fused_elementwise", "paged_decode_attention", "paged_prefill_attention", "argmax_rows")
+EXTENSIONS = ("panel_linear", "fused_elementwise", "paged_decode_attention", "paged_prefill_attention", "argmax_rows",
+              "int8_linear")
 
 
 def _read_cpuinfo() -> str:
@@ -133,3 +134,11 @@ def load_argmax_rows():
     gives (first index of the maximum, NaN the largest); or None."""
     module = _load("argmax_rows")
     return None if module is None else module.argmax_rows
+
+
+def load_int8_linear():
+    """`int8_linear(x [N, in], wq int8 [out, in_pad], scales float32 [out, in_pad / 32], offsets (the
+    same shape: scale * 128 * the block's sum of wq), bias | None, out)` -> [N, out] in x's dtype
+    (layers/quantization.py's Int8Weight; W's rows padded to a multiple of 4), or None."""
+    module = _load("int8_linear")
+    return None if module is None else module.int8_linear

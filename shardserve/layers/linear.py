@@ -23,7 +23,7 @@ from torch import nn
 
 from shardserve.layers.cpu_kernels import load_panel_linear
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
-from shardserve.layers.quantization import Fp8Weight
+from shardserve.layers.quantization import Fp8Weight, Int8Weight
 
 
 def default_weight_loader(param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id=None) -> None:
@@ -122,7 +122,7 @@ class Linear(nn.Module):
         self.input_slice = input_slice  # None: all columns
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_shard
-        self.packed: PackedWeight | Fp8Weight | None = None
+        self.packed: PackedWeight | Fp8Weight | Int8Weight | None = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(output_sizes), dtype=dtype), requires_grad=False)
@@ -143,9 +143,10 @@ class Linear(nn.Module):
         copy_checked(param.data.narrow(0, start, size), data.to(param.dtype))
 
     def prepack(self, quantization: str | None = None) -> None:
-        """Switch to the packed weight (after loading), or to its `quantization` ("fp8":
+        """Switch to the packed weight (after loading), or to its `quantization` ("fp8", "int8":
         layers/quantization.py); the plain copy is released."""
-        self.packed = Fp8Weight(self.weight) if quantization == "fp8" else prepack_weight(self.weight)
+        quantized = {"fp8": Fp8Weight, "int8": Int8Weight}.get(quantization)
+        self.packed = quantized(self.weight) if quantized else prepack_weight(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 

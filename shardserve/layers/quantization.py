@@ -1,5 +1,6 @@
-"""fp8 weights (`--quantization fp8`): a linear layer's weight in float8 e4m3 with one scale per
-output row, quantized once after loading.
+"""Quantized linear weights, quantized once after loading: `--quantization fp8` and `int8`.
+
+fp8: a linear layer's weight in float8 e4m3 with one scale per output row.
 
 Decode reads every weight once a step, so halving the weights' bytes is what makes it faster: on
 a GPU a step of up to 16 rows multiplies the bfloat16 activations by the fp8 weight directly
@@ -9,10 +10,20 @@ on Hopper and Ada), accumulated in float32 and written in the activation dtype. 
 scales and per-token activation scales (vLLM's dynamic "fp8" scheme for a bf16 checkpoint) keep
 an outlier row or token from costing the others their precision. The LM head, the embedding and
 MoE experts stay in the activation dtype.
+
+int8: weight-only, in llama.cpp's Q8_0 layout (blocks of 32 inputs, one float scale each: 1.06
+bytes a weight), for CPUs: csrc/int8_linear.cpp quantizes each activation row the same way and
+sums exact int8 block dots (AVX512-VNNI), so a row's result does not depend on its batch.
+Quantizing a dequantized Q8_0 GGUF tensor this way, from float32, gives back its blocks exactly
+(the engine loads weights in the model dtype first, so a served Q8_0 GGUF is re-derived from bf16:
+close to, not yet exactly, its file's blocks). Not tuned yet: slower than the bf16 panel kernel
+on the Zen 4 test host (SmolLM2 decode 67-70 against 89-91 tok/s at batch 1).
 """
 from __future__ import annotations
 
 import torch
+
+from shardserve.layers.cpu_kernels import load_int8_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -63,3 +74,56 @@ class Fp8Weight:
     def dequantized(self) -> torch.Tensor:
         """The weight these fp8 values and scales stand for, [out, in] float32 (for tests)."""
         return self.data.float() * self.scale.t()
+
+
+INT8_BLOCK = 32
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (int8 [R, C_pad], float32 scales [R, C_pad / 32]): per block of 32 columns
+    (zero-padded to a whole block), scale = max|x| / 127 and q = x / scale rounded to nearest."""
+    rows, cols = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -cols % INT8_BLOCK)).view(rows, -1, INT8_BLOCK)
+    scale = padded.abs().amax(dim=-1) / 127
+    q = torch.where(scale.unsqueeze(-1) > 0, padded / scale.unsqueeze(-1), 0).round().clamp(-127, 127)
+    return q.to(torch.int8).view(rows, -1), scale.contiguous()
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel computes, in float64: x's rows quantized per block as the weight's,
+    exact block dots, scaled [N, out]."""
+    xq, dx = quantize_blocks(x.reshape(-1, x.shape[-1]))
+    blocks = q.shape[1] // INT8_BLOCK
+    dots = torch.einsum("nbi,obi->nob", xq.view(-1, blocks, INT8_BLOCK).double(), q.view(-1, blocks, INT8_BLOCK).double())
+    return (dots * dx.double().unsqueeze(1) * scale.double().unsqueeze(0)).sum(-1)
+
+
+class Int8Weight:
+    """A Linear's weight [out, in] as int8 blocks of 32 with float32 scales; `linear(x, bias)`
+    is x W^T (+ b), as PackedWeight's."""
+
+    fuses_silu_mul = False
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        # rows padded to a multiple of 4 (zero blocks): the kernel's tiles hold 4 rows of W
+        padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -self.out_features % 4))
+        self.data, self.scale = quantize_blocks(padded)
+        # the kernel feeds x as xq + 128 (unsigned bytes): each block's 128 * sum(wq), scaled, comes off
+        self.offset = (self.scale * 128 * self.data.view(len(padded), -1, INT8_BLOCK).sum(-1)).contiguous()
+        self.kernel = load_int8_linear() if weight.device.type == "cpu" else None
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.kernel is not None:
+            y = self.kernel(rows, self.data, self.scale, self.offset, bias, self.out_features)
+        else:  # no toolchain (or not a CPU): the reference arithmetic
+            y = int8_linear_reference(rows, self.data, self.scale)[:, : self.out_features].to(x.dtype)
+            if bias is not None:
+                y = y + bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these blocks stand for, [out, in] float32 (for tests)."""
+        blocks = self.data.view(len(self.data), -1, INT8_BLOCK).float() * self.scale.unsqueeze(-1)
+        return blocks.view(len(self.data), -1)[: self.out_features, : self.in_features]

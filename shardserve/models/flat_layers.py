@@ -8,7 +8,7 @@ answers are taken once, after prepacking, and each layer is a handful of direct 
 
 The loop is the same sequence of the same kernels as DecoderLayer.forward (the test compares the
 two bit for bit), for the layers it covers: dense MLP, no per-head q/k norm, no tensor
-parallelism, packed weights and the fused norm. Anything else takes the module path.
+parallelism, packed (or int8) weights and the fused norm. Anything else takes the module path.
 """
 from __future__ import annotations
 
@@ -19,17 +19,20 @@ import torch
 
 from shardserve.layers.cpu_kernels import load_add_rms_norm, load_silu_mul
 from shardserve.layers.linear import PackedWeight
+from shardserve.layers.quantization import Int8Weight
+
+CpuWeight = PackedWeight | Int8Weight  # a weight whose `linear` is a native CPU kernel
 
 
 @dataclass
 class FlatLayer:
     input_norm: torch.Tensor  # the norms' weights
     post_attention_norm: torch.Tensor
-    qkv: PackedWeight
+    qkv: CpuWeight
     qkv_bias: torch.Tensor | None
-    o: PackedWeight
+    o: CpuWeight
     gate_up_silu: Callable[[torch.Tensor], torch.Tensor]  # silu(gate) * up of the gate/up matmul
-    down: PackedWeight
+    down: CpuWeight
 
 
 class FlatLayers:
@@ -54,7 +57,7 @@ class FlatLayers:
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (attn.o_proj.tp.size > 1 or mlp.down_proj.tp.size > 1
-                    or any(not isinstance(lin.packed, PackedWeight) for lin in linears)
+                    or any(not isinstance(lin.packed, (PackedWeight, Int8Weight)) for lin in linears)
                     or any(lin.bias is not None for lin in linears[1:])):
                 return None
             flat.append(FlatLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -80,7 +83,7 @@ class FlatLayers:
         return x, delta
 
 
-def _gate_up_silu(gate_up: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+def _gate_up_silu(gate_up: CpuWeight) -> Callable[[torch.Tensor], torch.Tensor]:
     """The gate/up matmul ending in SwiGLU (fused where the kernel has the epilogue; the same bits
     either way), chosen once for the loop."""
     if gate_up.fuses_silu_mul:

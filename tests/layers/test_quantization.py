@@ -1,5 +1,5 @@
-"""fp8 weights: the quantization's error bound, the scaled matmul against the same math done by
-hand, and an engine with --quantization fp8 against the unquantized one."""
+"""fp8 and int8 weights: the quantization's error bound, the kernels against the same math done by
+hand, and engines with --quantization fp8 / int8 against the unquantized one."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,9 @@ import torch
 
 from shardserve.config import ConfigError, EngineConfig
 from shardserve.layers.linear import Linear
-from shardserve.layers.quantization import FP8_MAX, Fp8Weight, quantize_rows
+from shardserve.layers.cpu_kernels import load_int8_linear
+from shardserve.layers.quantization import (FP8_MAX, Fp8Weight, Int8Weight, int8_linear_reference, quantize_blocks,
+                                            quantize_rows)
 from shardserve.llm import LLM
 from tests.conftest import write_tiny_checkpoint
 from tests.engine_helpers import engine_logits, relative_error
@@ -35,20 +37,65 @@ def test_the_scaled_matmul_is_the_product_of_the_dequantized_operands():
     assert relative_error(fp8.linear(x, None), x @ weight.t()) < 0.06  # and near the unquantized product
 
 
-def test_an_fp8_engine_quantizes_the_layers_but_not_the_head_and_stays_near_the_bf16_one(tmp_path):
+@pytest.mark.parametrize("method,weight_class,bound", [("fp8", Fp8Weight, 0.05), ("int8", Int8Weight, 0.03)])
+def test_a_quantized_engine_quantizes_the_layers_but_not_the_head_and_stays_near_the_bf16_one(
+        tmp_path, method, weight_class, bound):
     path = write_tiny_checkpoint(tmp_path / "llama", "llama", well_conditioned=True)
     kwargs = dict(dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False)
-    plain, fp8 = LLM(str(path), **kwargs), LLM(str(path), quantization="fp8", **kwargs)
-    model = fp8.engine.runner.model
+    plain, quantized = LLM(str(path), **kwargs), LLM(str(path), quantization=method, **kwargs)
+    model = quantized.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(isinstance(m.packed, Fp8Weight) for m in linears)
-    assert not isinstance(model.lm_head.packed, Fp8Weight)
+    assert linears and all(isinstance(m.packed, weight_class) for m in linears)
+    assert not isinstance(model.lm_head.packed, weight_class)
     ids = list(range(3, 40))
+    logits = {}
     for chunk in (10**6, 1):  # a whole prefill, then token by token
-        ours, reference = engine_logits(fp8.engine, ids, chunk).float(), engine_logits(plain.engine, ids, chunk).float()
-        assert relative_error(ours, reference) < 0.05, chunk
+        logits[chunk] = engine_logits(quantized.engine, ids, chunk)
+        assert relative_error(logits[chunk].float(), engine_logits(plain.engine, ids, chunk).float()) < bound, chunk
+    if method == "int8":  # a token's logits: the same in a prefill and in a decode step
+        assert torch.equal(logits[10**6], logits[1])
 
 
 def test_an_unknown_quantization_is_refused():
-    with pytest.raises(ConfigError, match="unknown quantization 'int3'; choose one of fp8"):
+    with pytest.raises(ConfigError, match="unknown quantization 'int3'; choose one of fp8, int8"):
         EngineConfig(quantization="int3")
+
+
+# --- int8 (Q8_0 blocks) -------------------------------------------------------------------------
+def test_int8_blocks_round_within_half_a_step_and_give_back_a_q8_0_tensor_exactly():
+    torch.manual_seed(2)
+    x = torch.randn(5, 70) * torch.tensor([1e-3, 1.0, 50.0, 0.0, 7.0])[:, None]  # a zero row; 70 = 2 blocks + 6
+    q, scale = quantize_blocks(x)
+    assert q.shape == (5, 96) and scale.shape == (5, 3) and torch.all(q[:, 70:] == 0) and torch.all(scale[3] == 0)
+    step = scale.repeat_interleave(32, dim=1)[:, :70]
+    assert torch.all((q[:, :70].float() * step - x).abs() <= step / 2 + 1e-7 * x.abs())
+    # llama.cpp's own Q8_0 of a weight, dequantized to float32 as the GGUF loader does, quantizes
+    # back to the file's blocks: the same int8 values and the same (float16) scales
+    import gguf
+    import numpy as np
+    w = (torch.randn(8, 64) * 0.1).numpy()
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)  # [8, 2 blocks x 34 bytes]
+    blocks = raw.reshape(8, 2, 34)
+    file_scales = blocks[..., :2].copy().view(np.float16).astype(np.float32).reshape(8, 2)
+    file_q = blocks[..., 2:].copy().view(np.int8).reshape(8, 64)
+    q, scale = quantize_blocks(torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)))
+    assert torch.equal(q, torch.from_numpy(file_q)) and torch.equal(scale, torch.from_numpy(file_scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_is_the_block_arithmetic_and_the_same_in_any_batch(dtype):
+    if load_int8_linear() is None:
+        pytest.skip("no native toolchain")
+    torch.manual_seed(3)
+    for out_features, in_features in ((48, 70), (96, 576)):  # a ragged last block; two blocks a dot
+        weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
+        int8 = Int8Weight(weight)
+        x = torch.randn(37, in_features).to(dtype)  # 9 tiles of 4 rows and one of 1
+        y = int8.linear(x, bias)
+        expected = int8_linear_reference(x, int8.data, int8.scale) + bias.double()
+        assert y.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(y.double(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+        alone = torch.cat([int8.linear(x[i:i + 1], bias) for i in range(len(x))])
+        assert torch.equal(y, alone)
+        assert relative_error(int8.linear(x.float(), None), x.float() @ weight.t()) < 0.02

@@ -1,0 +1,193 @@
+// Weight-only int8 linear: y = x W^T (+ b) with W kept as int8 blocks of 32 inputs and one float
+// scale per block (llama.cpp's Q8_0 layout, row-major: [out][in / 32][32] and [out][in / 32]).
+// Each row of x is quantized the same way when it arrives (per 32 inputs, scale = max|x| / 127,
+// round to nearest), so a block's dot product is a sum of int8 x int8 products, exact in int32:
+//
+//     y[n, o] = sum_b  dx[n, b] * dw[o, b] * sum_{i < 32} xq[n, b, i] * wq[o, b, i]
+//
+// AVX512-VNNI's vpdpbusd multiplies unsigned by signed bytes, so x enters as xq + 128 and the
+// extra 128 * sum_i wq[o, b, i] of each block is taken off after, through `cw` = dw * 128 * that
+// sum (computed once, with the weight). Two blocks make one 512-bit dot; each weight block is
+// loaded once for up to four rows of x. A row's result depends on that row alone: the same bits
+// in any batch. Decode reads 1.06 bytes per weight instead of bfloat16's 2; output rows go to
+// threads in chunks that stay in L1 while every row of x passes over them.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowsPerChunk = 16;  // 16 rows of 1,536 int8 inputs: 24 KiB, in L1 with x's rows
+constexpr int64_t kXTile = 4;          // rows of x that share each weight block's load
+
+// x row [in] (float) -> xq + 128 (uint8), scales [blocks]; zero padding past `in` (xq = 0).
+void quantize_row(const float* x, int64_t in, int64_t blocks, uint8_t* xu, float* dx) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t start = b * kBlock, stop = std::min(start + kBlock, in);
+    float amax = 0.f;
+    for (int64_t i = start; i < stop; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    dx[b] = d;
+    for (int64_t i = start; i < start + kBlock; ++i) {
+      const int q = i < stop ? static_cast<int>(std::nearbyint(x[i] * inv)) : 0;
+      xu[i] = static_cast<uint8_t>(std::max(-127, std::min(127, q)) + 128);
+    }
+  }
+}
+
+struct Rows {  // the quantized rows of x
+  const uint8_t* xu;  // [N][in_pad]
+  const float* dx;    // [N][blocks]
+  const float* dxe;   // [N][(blocks + 1) * 8]: dx with each scale repeated over the 8 lanes of its block
+  int64_t in_pad, blocks;
+};
+
+#if defined(__AVX512VNNI__)
+// y[n0 + t, o + r] for t < NT, r < 4, without bias, into out[t * 4 + r]. Every (row of x, row
+// of W) pair has its own accumulator: up to 16 independent dot chains in registers (the tile's
+// sizes are compile-time), each weight block loaded once for all rows of x, each x block once
+// for all rows of W. W's rows are padded to a multiple of 4.
+template <int NT>
+inline void dot_tile(const Rows& x, int64_t n0, const int8_t* wq, const float* dw, const float* cw, int64_t in_pad,
+                     float* out) {
+  constexpr int R = 4;
+  __m512 acc[NT][R];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const int64_t blocks = x.blocks;
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const bool pair = b + 1 < blocks;
+    const __mmask64 bytes = pair ? ~0ULL : 0xFFFFFFFFULL;
+    __m512i w[R];
+    __m512 dwv[R];
+    for (int r = 0; r < R; ++r) {
+      w[r] = _mm512_maskz_loadu_epi8(bytes, wq + r * in_pad + b * kBlock);
+      dwv[r] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(dw[r * blocks + b])),
+                                  _mm256_set1_ps(pair ? dw[r * blocks + b + 1] : 0.f), 1);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(bytes, x.xu + (n0 + t) * x.in_pad + b * kBlock);
+      const __m512 dxv = _mm512_loadu_ps(x.dxe + (n0 + t) * (blocks + 1) * 8 + b * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, w[r]);
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dxv, dwv[r]), acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const float* dx = x.dx + (n0 + t) * blocks;
+    for (int r = 0; r < R; ++r) {
+      __m512 corr = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; b += 16) {
+        const __mmask16 m = blocks - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (blocks - b)) - 1);
+        corr = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, dx + b), _mm512_maskz_loadu_ps(m, cw + r * blocks + b), corr);
+      }
+      out[t * R + r] = _mm512_reduce_add_ps(acc[t][r]) - _mm512_reduce_add_ps(corr);
+    }
+  }
+}
+#else
+// a CPU without AVX512-VNNI: the same exact block dots, summed one block at a time
+template <int NT>
+inline void dot_tile(const Rows& x, int64_t n0, const int8_t* wq, const float* dw, const float* cw, int64_t in_pad,
+                     float* out) {
+  (void)cw;
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* xu = x.xu + (n0 + t) * x.in_pad;
+      const float* dx = x.dx + (n0 + t) * x.blocks;
+      const int8_t* w = wq + r * in_pad;
+      float acc = 0.f;
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        int32_t p = 0;
+        for (int64_t i = b * kBlock; i < (b + 1) * kBlock; ++i) p += (static_cast<int32_t>(xu[i]) - 128) * w[i];
+        acc += static_cast<float>(p) * (dx[b] * dw[r * x.blocks + b]);
+      }
+      out[t * 4 + r] = acc;
+    }
+}
+#endif
+
+}  // namespace
+
+bool vectorized() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor dw, at::Tensor cw, c10::optional<at::Tensor> bias,
+                       int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && wq.dim() == 2 && dw.dim() == 2, "int8_linear: x [N, in], wq [out, in_pad], dw [out, in_pad / 32]");
+  TORCH_CHECK(wq.scalar_type() == at::kChar && dw.scalar_type() == at::kFloat && cw.scalar_type() == at::kFloat &&
+                  wq.is_contiguous() && dw.is_contiguous() && cw.is_contiguous(),
+              "int8_linear: wq int8, dw and cw float32, contiguous");
+  const int64_t n_rows = x.size(0), in = x.size(1), out = out_features, in_pad = wq.size(1), blocks = in_pad / kBlock;
+  TORCH_CHECK(in_pad % kBlock == 0 && in <= in_pad && in_pad - in < kBlock && wq.size(0) % 4 == 0 &&
+                  out <= wq.size(0) && wq.size(0) - out < 4 && dw.size(0) == wq.size(0) &&
+                  dw.size(1) == blocks && cw.sizes() == dw.sizes(),
+              "int8_linear: shapes do not match");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<uint8_t> xu(n_rows * in_pad);
+  std::vector<float> dx(n_rows * blocks), dxe(n_rows * (blocks + 1) * 8, 0.f);
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, n_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      quantize_row(xp + n * in, in, blocks, xu.data() + n * in_pad, dx.data() + n * blocks);
+      for (int64_t b = 0; b < blocks; ++b)
+        std::fill_n(dxe.data() + n * (blocks + 1) * 8 + b * 8, 8, dx[n * blocks + b]);
+    }
+  });
+  const Rows rows{xu.data(), dx.data(), dxe.data(), in_pad, blocks};
+  at::Tensor y = at::empty({n_rows, out}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const int8_t* w = wq.data_ptr<int8_t>();
+  const float* d = dw.data_ptr<float>();
+  const float* c = cw.data_ptr<float>();
+  const float* bp = nullptr;
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  const int64_t chunks = (out + kRowsPerChunk - 1) / kRowsPerChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    float tile[kXTile * 4];
+    for (int64_t ch = begin; ch < end; ++ch) {
+      const int64_t o0 = ch * kRowsPerChunk, o1 = std::min(out, o0 + kRowsPerChunk);
+      for (int64_t n0 = 0; n0 < n_rows; n0 += kXTile) {
+        const int64_t nt = std::min(kXTile, n_rows - n0);
+        for (int64_t o = o0; o < o1; o += 4) {
+          const int64_t nr = std::min<int64_t>(4, o1 - o);  // rows past `out` are padding
+          const int8_t* wo = w + o * in_pad;
+          switch (nt) {
+            case 1: dot_tile<1>(rows, n0, wo, d + o * blocks, c + o * blocks, in_pad, tile); break;
+            case 2: dot_tile<2>(rows, n0, wo, d + o * blocks, c + o * blocks, in_pad, tile); break;
+            case 3: dot_tile<3>(rows, n0, wo, d + o * blocks, c + o * blocks, in_pad, tile); break;
+            default: dot_tile<4>(rows, n0, wo, d + o * blocks, c + o * blocks, in_pad, tile);
+          }
+          for (int64_t t = 0; t < nt; ++t)
+            for (int64_t r = 0; r < nr; ++r)
+              yp[(n0 + t) * out + o + r] = bp ? tile[t * 4 + r] + bp[o + r] : tile[t * 4 + r];
+        }
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+TORCH_LIBRARY(shardserve_int8_linear, m) {
+  m.def("vectorized() -> bool", &vectorized);
+  m.def("int8_linear(Tensor x, Tensor wq, Tensor dw, Tensor cw, Tensor? bias, int out_features) -> Tensor", &int8_linear);
+}
