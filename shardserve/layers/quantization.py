@@ -17,7 +17,7 @@ sums exact int8 block dots (AVX512-VNNI), so a row's result does not depend on i
 Quantizing a dequantized Q8_0 GGUF tensor this way, from float32, gives back its blocks exactly
 (the engine loads weights in the model dtype first, so a served Q8_0 GGUF is re-derived from bf16:
 close to, not yet exactly, its file's blocks). Not tuned yet: slower than the bf16 panel kernel
-on the Zen 4 test host (SmolLM2 decode 67-70 against 89-91 tok/s at batch 1).
+on the Zen 4 test host (SmolLM2 decode 75-77 against 90-110 tok/s at batch 1).
 """
 from __future__ import annotations
 

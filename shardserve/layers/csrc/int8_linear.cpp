@@ -28,17 +28,18 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerChunk = 16;  // 16 rows of 1,536 int8 inputs: 24 KiB, in L1 with x's rows
 constexpr int64_t kXTile = 4;          // rows of x that share each weight block's load
 
-// x row [in] (float) -> xq + 128 (uint8), scales [blocks]; zero padding past `in` (xq = 0).
-void quantize_row(const float* x, int64_t in, int64_t blocks, uint8_t* xu, float* dx) {
+// x row [in] (float or bfloat16) -> xq + 128 (uint8), scales [blocks]; zero padding past `in`.
+template <typename T>
+void quantize_row(const T* x, int64_t in, int64_t blocks, uint8_t* xu, float* dx) {
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * kBlock, stop = std::min(start + kBlock, in);
     float amax = 0.f;
-    for (int64_t i = start; i < stop; ++i) amax = std::max(amax, std::fabs(x[i]));
+    for (int64_t i = start; i < stop; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
     const float d = amax / 127.f;
     const float inv = d > 0.f ? 1.f / d : 0.f;
     dx[b] = d;
     for (int64_t i = start; i < start + kBlock; ++i) {
-      const int q = i < stop ? static_cast<int>(std::nearbyint(x[i] * inv)) : 0;
+      const int q = i < stop ? static_cast<int>(std::nearbyint(static_cast<float>(x[i]) * inv)) : 0;
       xu[i] = static_cast<uint8_t>(std::max(-127, std::min(127, q)) + 128);
     }
   }
@@ -127,40 +128,24 @@ bool vectorized() {
 #endif
 }
 
-at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor dw, at::Tensor cw, c10::optional<at::Tensor> bias,
-                       int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && wq.dim() == 2 && dw.dim() == 2, "int8_linear: x [N, in], wq [out, in_pad], dw [out, in_pad / 32]");
-  TORCH_CHECK(wq.scalar_type() == at::kChar && dw.scalar_type() == at::kFloat && cw.scalar_type() == at::kFloat &&
-                  wq.is_contiguous() && dw.is_contiguous() && cw.is_contiguous(),
-              "int8_linear: wq int8, dw and cw float32, contiguous");
-  const int64_t n_rows = x.size(0), in = x.size(1), out = out_features, in_pad = wq.size(1), blocks = in_pad / kBlock;
-  TORCH_CHECK(in_pad % kBlock == 0 && in <= in_pad && in_pad - in < kBlock && wq.size(0) % 4 == 0 &&
-                  out <= wq.size(0) && wq.size(0) - out < 4 && dw.size(0) == wq.size(0) &&
-                  dw.size(1) == blocks && cw.sizes() == dw.sizes(),
-              "int8_linear: shapes do not match");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+// x and y in T (float or bfloat16): read and written in place of a conversion pass each, which
+// with their allocations cost as much as a small layer's matmul at batch 1
+template <typename T>
+void run(const T* xp, int64_t n_rows, int64_t in, const int8_t* w, const float* d, const float* c, const T* bp,
+         int64_t out, int64_t in_pad, T* yp) {
+  const int64_t blocks = in_pad / kBlock;
   std::vector<uint8_t> xu(n_rows * in_pad);
   std::vector<float> dx(n_rows * blocks), dxe(n_rows * (blocks + 1) * 8, 0.f);
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, n_rows, 1, [&](int64_t begin, int64_t end) {
+  auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       quantize_row(xp + n * in, in, blocks, xu.data() + n * in_pad, dx.data() + n * blocks);
       for (int64_t b = 0; b < blocks; ++b)
         std::fill_n(dxe.data() + n * (blocks + 1) * 8 + b * 8, 8, dx[n * blocks + b]);
     }
-  });
+  };
+  if (n_rows < 16) quantize(0, n_rows);  // waking the threads costs more than these rows
+  else at::parallel_for(0, n_rows, 1, quantize);
   const Rows rows{xu.data(), dx.data(), dxe.data(), in_pad, blocks};
-  at::Tensor y = at::empty({n_rows, out}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
-  const int8_t* w = wq.data_ptr<int8_t>();
-  const float* d = dw.data_ptr<float>();
-  const float* c = cw.data_ptr<float>();
-  const float* bp = nullptr;
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
   const int64_t chunks = (out + kRowsPerChunk - 1) / kRowsPerChunk;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     float tile[kXTile * 4];
@@ -178,13 +163,42 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor dw, at::Tensor cw
             default: dot_tile<4>(rows, n0, wo, d + o * blocks, c + o * blocks, in_pad, tile);
           }
           for (int64_t t = 0; t < nt; ++t)
-            for (int64_t r = 0; r < nr; ++r)
-              yp[(n0 + t) * out + o + r] = bp ? tile[t * 4 + r] + bp[o + r] : tile[t * 4 + r];
+            for (int64_t r = 0; r < nr; ++r) {
+              const float v = tile[t * 4 + r];
+              yp[(n0 + t) * out + o + r] = static_cast<T>(bp ? v + static_cast<float>(bp[o + r]) : v);
+            }
         }
       }
     }
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor dw, at::Tensor cw, c10::optional<at::Tensor> bias,
+                       int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && wq.dim() == 2 && dw.dim() == 2, "int8_linear: x [N, in], wq [out, in_pad], dw [out, in_pad / 32]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int8_linear: x float32 or bfloat16");
+  TORCH_CHECK(wq.scalar_type() == at::kChar && dw.scalar_type() == at::kFloat && cw.scalar_type() == at::kFloat &&
+                  wq.is_contiguous() && dw.is_contiguous() && cw.is_contiguous(),
+              "int8_linear: wq int8, dw and cw float32, contiguous");
+  const int64_t n_rows = x.size(0), in = x.size(1), out = out_features, in_pad = wq.size(1), blocks = in_pad / kBlock;
+  TORCH_CHECK(in_pad % kBlock == 0 && in <= in_pad && in_pad - in < kBlock && wq.size(0) % 4 == 0 &&
+                  out <= wq.size(0) && wq.size(0) - out < 4 && dw.size(0) == wq.size(0) &&
+                  dw.size(1) == blocks && cw.sizes() == dw.sizes(),
+              "int8_linear: shapes do not match");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) bc = bias->to(x.scalar_type()).contiguous();
+  at::Tensor y = at::empty({n_rows, out}, x.options());
+  const int8_t* w = wq.data_ptr<int8_t>();
+  const float* d = dw.data_ptr<float>();
+  const float* c = cw.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat)
+    run<float>(xc.data_ptr<float>(), n_rows, in, w, d, c, bc.defined() ? bc.data_ptr<float>() : nullptr, out, in_pad,
+               y.data_ptr<float>());
+  else
+    run<c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), n_rows, in, w, d, c,
+                       bc.defined() ? bc.data_ptr<c10::BFloat16>() : nullptr, out, in_pad, y.data_ptr<c10::BFloat16>());
+  return y;
 }
 
 TORCH_LIBRARY(shardserve_int8_linear, m) {
