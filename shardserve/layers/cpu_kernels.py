@@ -137,8 +137,7 @@ def load_argmax_rows():
 
 
 def load_int8_linear():
-    """`int8_linear(x [N, in], wq int8 [out, in_pad], scales float32 [out, in_pad / 32], offsets (the
-    same shape: scale * 128 * the block's sum of wq), bias | None, out)` -> [N, out] in x's dtype
-    (layers/quantization.py's Int8Weight; W's rows padded to a multiple of 4), or None."""
+    """`int8_linear(x [N, in], wq, scales, offsets, bias | None, out)` -> [N, out] in x's dtype, for
+    a weight packed as layers/quantization.py's Int8Weight holds it; or None."""
     module = _load("int8_linear")
     return None if module is None else module.int8_linear
