@@ -145,11 +145,12 @@ class LLMEngine:
         outputs = self.output_processor.process(updated, result.sampled, self._stop_at_string)
         batch = tuple((s.num_tokens, s.start_pos + s.num_tokens) for s in sched.seqs)
         self.last_step = StepRecord(batch, time.perf_counter() - start)
+        num_tokens = sum(n for n, _ in batch)
         if self.speculator:
             decode_only = all(s.sample and s.num_tokens == 1 + len(s.spec_token_ids) for s in sched.seqs)
-            self.speculator.observe_step(sum(n for n, _ in batch), decode_only, self.last_step.duration_s)
+            self.speculator.observe_step(num_tokens, decode_only, self.last_step.duration_s)
         if self.threads:
-            self.threads.after_step(sum(n for n, _ in batch), self.last_step.duration_s)
+            self.threads.after_step(num_tokens, self.last_step.duration_s)
         return outputs
 
     def _stop_at_string(self, req_id: str, stop: str) -> None:

@@ -104,12 +104,18 @@ class ModelRunner:
             sampled.update(stage.compute(lambda: self._run_stage(inputs, hidden_in, stage)))
         sampled = stage.finish(sampled)
         self.record(sampled)
-        proposals = None if self.draft is None else {}  # {}: this step's guesses replace the last
-        if self.draft is not None and sched.num_draft_tokens:
-            blocks = {seq.req_id: seq.block_ids for seq in sched.seqs}
-            proposals = self.draft.propose([DraftRequest(r, self.states[r].token_ids, blocks[r]) for r in sampled],
-                                           sched.num_draft_tokens)
-        return ModelRunnerOutput(sampled, proposals)
+        return ModelRunnerOutput(sampled, self._draft_proposals(sched, sampled))
+
+    def _draft_proposals(self, sched: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> dict[str, list[int]] | None:
+        """The draft model's guesses for the next step ({} when the step asks for none: they
+        replace the last step's); None without a draft model."""
+        if self.draft is None:
+            return None
+        if not sched.num_draft_tokens:
+            return {}
+        blocks = {seq.req_id: seq.block_ids for seq in sched.seqs}
+        return self.draft.propose([DraftRequest(r, self.states[r].token_ids, blocks[r]) for r in sampled],
+                                  sched.num_draft_tokens)
 
     def forward(self, inputs: "StepInputs", hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """The model's output rows of one step: replayed from a decode graph where one covers it."""

@@ -63,10 +63,10 @@ class Speculator:
     next; the policy decides how many of them a step verifies, and for a draft model also how
     many the runner proposes after it (`SchedulerOutput.num_draft_tokens`)."""
 
-    def __init__(self, config: SpeculativeConfig, policy: SpeculationPolicy | None = None):
+    def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None
-        self.policy = policy or SpeculationPolicy(config.num_speculative_tokens)
+        self.policy = SpeculationPolicy(config.num_speculative_tokens)
         self._drafted: dict[str, list[int]] = {}  # a draft model's proposals for the next step
         self.num_draft_tokens = 0  # how many the draft model proposes after this step
         self.clear_stats()

@@ -57,7 +57,7 @@ class FlatLayers:
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (attn.o_proj.tp.size > 1 or mlp.down_proj.tp.size > 1
-                    or any(not isinstance(lin.packed, (PackedWeight, Int8Weight)) for lin in linears)
+                    or any(not isinstance(lin.packed, CpuWeight) for lin in linears)
                     or any(lin.bias is not None for lin in linears[1:])):
                 return None
             flat.append(FlatLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

@@ -70,7 +70,7 @@ class ServerMetrics:
             for pos in range(num_speculative_tokens):
                 self.spec_per_pos.labels(model_name, str(pos))
             self._seen.update({name: 0 for name in self.spec})
-            self._seen_per_pos = [0] * num_speculative_tokens
+            self._seen.update({f"accepted_at_{pos}": 0 for pos in range(num_speculative_tokens)})
         self._last_step = None
 
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
@@ -108,13 +108,11 @@ class ServerMetrics:
         for name, counter in self.spec.items():
             self._add_delta(counter, name, getattr(stats, name))
         for pos, total in enumerate(stats.accepted_per_position):
-            if total > self._seen_per_pos[pos]:
-                self.spec_per_pos.labels(self.model_name, str(pos)).inc(total - self._seen_per_pos[pos])
-                self._seen_per_pos[pos] = total
+            self._add_delta(self.spec_per_pos, f"accepted_at_{pos}", total, str(pos))
 
-    def _add_delta(self, counter: Counter, key: str, total: int) -> None:
+    def _add_delta(self, counter: Counter, key: str, total: int, *labels: str) -> None:
         if total > self._seen[key]:
-            counter.labels(self.model_name).inc(total - self._seen[key])
+            counter.labels(self.model_name, *labels).inc(total - self._seen[key])
             self._seen[key] = total
 
     def _observe_output(self, out: RequestOutput, now: float) -> None:

@@ -1,5 +1,5 @@
 // Weight-only int8 linear: y = x W^T (+ b) with W kept as int8 blocks of 32 inputs and one float
-// scale per block (llama.cpp's Q8_0 layout, row-major: [out][in / 32][32] and [out][in / 32]).
+// scale per block (llama.cpp's Q8_0 blocks, packed by groups of 4 rows: see `Weight` below).
 // Each row of x is quantized the same way when it arrives (per 32 inputs, scale = max|x| / 127,
 // round to nearest), so a block's dot product is a sum of int8 x int8 products, exact in int32:
 //
@@ -136,14 +136,6 @@ inline void dot_tile(const Rows& x, int64_t n0, const Weight& w, int64_t g, floa
 
 }  // namespace
 
-bool vectorized() {
-#if defined(__AVX512VNNI__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // x and y in T (float or bfloat16): read and written in place of a conversion pass each, which
 // with their allocations cost as much as a small layer's matmul at batch 1
 template <typename T>
@@ -216,6 +208,5 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor wq, at::Tensor dw, at::Tensor cw
 }
 
 TORCH_LIBRARY(shardserve_int8_linear, m) {
-  m.def("vectorized() -> bool", &vectorized);
   m.def("int8_linear(Tensor x, Tensor wq, Tensor dw, Tensor cw, Tensor? bias, int out_features) -> Tensor", &int8_linear);
 }
