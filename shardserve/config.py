@@ -337,7 +337,8 @@ class SpeculativeConfig:
         return cls(**values)
 
 
-QUANTIZATION_METHODS = ("fp8", "int8")  # EngineConfig.quantization: layers/quantization.py
+# EngineConfig.quantization: layers/quantization.py (fp8, int8), layers/block_quant.py (gguf)
+QUANTIZATION_METHODS = ("fp8", "int8", "gguf")
 
 
 @dataclass(frozen=True)
@@ -363,7 +364,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # GPU: run every step eagerly, no CUDA graphs for decode steps (engine/cuda_graphs.py)
     enforce_eager: bool = False
-    # the layers' linear weights quantized after loading: None, "fp8" or "int8" (layers/quantization.py)
+    # the layers' linear weights quantized after loading: None, "fp8" or "int8" (layers/quantization.py),
+    # or kept in a GGUF checkpoint's own blocks: "gguf" (layers/block_quant.py)
     quantization: str | None = None
     # kernels whose result for a token does not depend on its batch nor on whether prefill or
     # decode computed it (a resumed stream continues exactly); False also allows faster ones

@@ -69,6 +69,10 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_nu
     with torch.device(device):
         model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups, attention)
     show_progress = config.show_progress and groups.is_driver
+    if config.quantization == "gguf":
+        if checkpoint.format != "gguf":
+            raise ConfigError(f"--quantization gguf needs a .gguf checkpoint; {checkpoint.path} is an HF folder")
+        model.keep_checkpoint_blocks()
     model.load_weights(checkpoint.iter_lazy_tensors(show_progress=show_progress))
     model.prepack(config.quantization)
     model.eval()

@@ -15,7 +15,7 @@ _CSRC = Path(__file__).parent / "csrc"
 
 # every extension in csrc/
 EXTENSIONS = ("panel_linear", "fused_elementwise", "paged_decode_attention", "paged_prefill_attention", "argmax_rows",
-              "int8_linear")
+              "int8_linear", "block_linear")
 
 
 def _read_cpuinfo() -> str:
@@ -141,3 +141,10 @@ def load_int8_linear():
     a weight packed as layers/quantization.py's Int8Weight holds it; or None."""
     module = _load("int8_linear")
     return None if module is None else module.int8_linear
+
+
+def load_block_linear():
+    """`block_linear(x [N, in], w, format, bias | None, out, float_out)` -> [N, out] for a weight in
+    GGUF blocks packed as layers/block_quant.py packs it; or None."""
+    module = _load("block_linear")
+    return None if module is None else module.block_linear.default

@@ -1,11 +1,16 @@
 """A checkpoint tensor that has not been read yet: its shape, and a way to read all of it or one
-slice. Tensor-parallel ranks read only their slice (safetensors reads just those bytes)."""
+slice. Tensor-parallel ranks read only their slice (safetensors reads just those bytes). A tensor
+stored in GGUF blocks can also be read as those blocks, for layers that keep them
+(`--quantization gguf`, layers/block_quant.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from shardserve.layers.block_quant import RawBlocks
 
 # (dim, start, stop) -> tensor[..., start:stop, ...] along dim; dim None: the whole tensor
 Reader = Callable[[int | None, int, int], torch.Tensor]
@@ -15,6 +20,7 @@ Reader = Callable[[int | None, int, int], torch.Tensor]
 class LazyTensor:
     shape: tuple[int, ...]
     reader: Reader
+    blocks: "Callable[[], RawBlocks] | None" = None  # the stored blocks, for a block-quantized tensor
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "LazyTensor":

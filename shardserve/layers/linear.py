@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.layers.block_quant import BlockWeight, RawBlocks
 from shardserve.layers.cpu_kernels import load_panel_linear
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 from shardserve.layers.quantization import Fp8Weight, Int8Weight
@@ -122,7 +123,9 @@ class Linear(nn.Module):
         self.input_slice = input_slice  # None: all columns
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_shard
-        self.packed: PackedWeight | Fp8Weight | Int8Weight | None = None
+        self.packed: PackedWeight | Fp8Weight | Int8Weight | BlockWeight | None = None
+        self.keep_blocks = False  # `--quantization gguf`: keep a checkpoint's blocks (see _load_shard)
+        self._blocks: dict[int, RawBlocks] = {}  # shard -> its blocks, until prepack
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(sum(output_sizes), dtype=dtype), requires_grad=False)
@@ -131,6 +134,11 @@ class Linear(nn.Module):
     def _load_shard(self, param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id: int | None = None) -> None:
         """Copy this layer's slice of checkpoint tensor `shard_id` (None: the whole fused matrix)."""
         tensor = as_lazy(tensor)
+        if param is self.weight and self.keep_blocks and tensor.blocks is not None:
+            blocks = self._slice_blocks(tensor.blocks(), shard_id)
+            if blocks is not None:
+                self._blocks[shard_id or 0] = blocks
+                return
         if param.dim() == 2 and self.input_slice is not None:
             data = tensor.narrow(1, *self.input_slice)  # row-parallel: our columns, all rows
         elif self.row_starts is not None:
@@ -142,9 +150,30 @@ class Linear(nn.Module):
         size = self.output_sizes[shard_id] if shard_id is not None else param.shape[0]
         copy_checked(param.data.narrow(0, start, size), data.to(param.dtype))
 
+    def _slice_blocks(self, blocks: RawBlocks, shard_id: int | None) -> RawBlocks | None:
+        """This layer's slice of a block-quantized checkpoint tensor, or None where the slice cuts
+        blocks (a row-parallel share not a multiple of 32 inputs)."""
+        if self.input_slice is not None:
+            return blocks.narrow_cols(*self.input_slice)
+        if self.row_starts is not None:
+            shard = shard_id or 0
+            return blocks.narrow_rows(self.row_starts[shard], self.output_sizes[shard])
+        return blocks
+
     def prepack(self, quantization: str | None = None) -> None:
         """Switch to the packed weight (after loading), or to its `quantization` ("fp8", "int8":
-        layers/quantization.py); the plain copy is released."""
+        layers/quantization.py; "gguf": the checkpoint's own blocks, layers/block_quant.py); the
+        plain copy is released."""
+        blocks, self._blocks = self._blocks, {}
+        if blocks:
+            parts = [blocks.get(i) for i in range(len(self.output_sizes))]
+            if all(p is not None and p.qtype == parts[0].qtype for p in parts):
+                self.packed = BlockWeight(RawBlocks.cat_rows(parts))
+                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+                return
+            for i, part in blocks.items():  # shards in different formats: one matmul, in the model dtype
+                start = sum(self.output_sizes[:i])
+                self.weight.data[start: start + self.output_sizes[i]] = part.dequantize().to(self.weight.dtype)
         quantized = {"fp8": Fp8Weight, "int8": Int8Weight}.get(quantization)
         self.packed = quantized(self.weight) if quantized else prepack_weight(self.weight)
         if self.packed is not None:

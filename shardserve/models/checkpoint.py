@@ -51,11 +51,8 @@ class Checkpoint:
     def iter_lazy_tensors(self, show_progress: bool = False) -> Iterator[tuple[str, LazyTensor]]:
         """Like iter_tensors, but each tensor is read only when (and as much as) the consumer asks:
         a tensor-parallel rank reads just its slice from safetensors. GGUF tensors are dequantized
-        whole, then sliced."""
-        files = self.open_files()
-        if isinstance(files, SafetensorsFiles):
-            return files.iter_lazy_tensors(show_progress=show_progress)
-        return ((name, LazyTensor.of(t)) for name, t in files.iter_tensors(show_progress=show_progress))
+        whole, then sliced, or read as their blocks (`LazyTensor.blocks`)."""
+        return self.open_files().iter_lazy_tensors(show_progress=show_progress)
 
     def open_files(self) -> SafetensorsFiles | GGUFFile:
         """The lazily-readable files (for per-tensor or per-slice reads)."""

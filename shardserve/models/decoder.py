@@ -153,9 +153,18 @@ class DecoderModel(nn.Module):
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.greedy_tokens(hidden)
 
+    def keep_checkpoint_blocks(self) -> None:
+        """`--quantization gguf`: the linears, the LM head and the embedding take a GGUF tensor's
+        blocks as they are where the kernels have its format (layers/block_quant.py); call before
+        load_weights. Other tensors (norms, MoE experts, other formats) load as usual."""
+        for module in self.modules():
+            if isinstance(module, (Linear, VocabParallelEmbedding)):
+                module.keep_blocks = True
+
     def prepack(self, quantization: str | None = None) -> None:
         """Repack matmul weights for the device's fastest kernels, the layers' linear weights in
-        `quantization` where one is given (the LM head stays as it is); call once, after loading."""
+        `quantization` where one is given (the LM head stays as it is, or in its blocks with
+        "gguf"); call once, after loading."""
         for module in self.modules():
             if isinstance(module, ParallelLMHead):
                 module.prepack()

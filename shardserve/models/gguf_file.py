@@ -14,6 +14,7 @@ under that. The `gguf` package still does the hard part, dequantizing the block 
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 import sys
@@ -29,6 +30,8 @@ from gguf import GGUFValueType as VType
 from tqdm import tqdm
 
 from shardserve.config import ConfigError, ModelConfig, RopeScaling
+from shardserve.layers.block_quant import KEPT_TYPES, RawBlocks
+from shardserve.layers.lazy_tensor import LazyTensor
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT_BYTES = 32
@@ -121,6 +124,13 @@ class GGUFFile:
     def iter_tensors(self, show_progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, tensor) for every weight, in HF Llama/Qwen2 layout (Q/K rows un-permuted
         for llama-arch files), dequantizing one tensor at a time so peak memory stays ~one tensor."""
+        for hf_name, lazy in self.iter_lazy_tensors(show_progress):
+            yield hf_name, lazy.read()
+
+    def iter_lazy_tensors(self, show_progress: bool = False) -> Iterator[tuple[str, LazyTensor]]:
+        """Like iter_tensors, each tensor read only when asked for (and then whole: dequantized,
+        then sliced); a tensor in a block format the kernels keep (layers/block_quant.py) can
+        instead be read as its blocks, row order un-permuted the same way."""
         config = self.model_config()
         names = {name: _hf_name(name, self.path) for name in self.tensors}
         total_bytes = sum(self.tensors[n].num_bytes for n, hf in names.items() if hf is not None)
@@ -130,11 +140,30 @@ class GGUFFile:
                 if hf_name is None:
                     continue
                 info = self.tensors[gguf_name]
-                tensor = _read_tensor(self.path, info)
-                if self.architecture == "llama":
-                    tensor = _undo_rotary_permutation(hf_name, tensor, config)
+                yield hf_name, self._lazy(info, hf_name, config)
                 bar.update(info.num_bytes)
-                yield hf_name, tensor
+
+    def _lazy(self, info: GGUFTensorInfo, hf_name: str, config: ModelConfig) -> LazyTensor:
+        permute = self.architecture == "llama"
+
+        @functools.cache
+        def whole() -> torch.Tensor:
+            tensor = _read_tensor(self.path, info)
+            return _undo_rotary_permutation(hf_name, tensor, config) if permute else tensor
+
+        def read(dim, start, stop):
+            return whole() if dim is None else whole().narrow(dim, start, stop - start)
+
+        blocks = None
+        if QType(info.ggml_type) in KEPT_TYPES and len(info.shape) == 2:
+            def blocks() -> RawBlocks:
+                raw = RawBlocks(QType(info.ggml_type), _read_raw(self.path, info).reshape(info.shape[0], -1),
+                                info.shape[1])
+                if not permute:
+                    return raw
+                order = _undo_rotary_permutation(hf_name, torch.arange(info.shape[0]), config)
+                return raw if torch.equal(order, torch.arange(info.shape[0])) else raw.permute_rows(order)
+        return LazyTensor(info.shape, read, blocks)
 
 
 def _parse_header(buf: mmap.mmap, path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
@@ -220,14 +249,20 @@ class _HeaderReader:
         return [self.value(vtype) for _ in range(count)]
 
 
+def _read_raw(path: Path, info: GGUFTensorInfo) -> torch.Tensor:
+    """The tensor's bytes as stored, uint8."""
+    raw = np.fromfile(path, dtype=np.uint8, count=info.num_bytes, offset=info.offset_bytes)
+    if raw.size != info.num_bytes:  # the file shrank since the header was parsed
+        raise ConfigError(f"{path}: truncated or corrupt GGUF (tensor {info.name} is cut short)")
+    return torch.from_numpy(raw)
+
+
 def _read_tensor(path: Path, info: GGUFTensorInfo) -> torch.Tensor:
     qtype = QType(info.ggml_type)
     if qtype not in FLOAT_TYPES and qtype not in QUANTIZED_TYPES:
         raise ConfigError(f"{path}: tensor {info.name} has unsupported type {qtype.name}; "
                           f"supported: {', '.join(sorted(t.name for t in (*FLOAT_TYPES, *QUANTIZED_TYPES)))}")
-    raw = np.fromfile(path, dtype=np.uint8, count=info.num_bytes, offset=info.offset_bytes)
-    if raw.size != info.num_bytes:  # the file shrank since the header was parsed
-        raise ConfigError(f"{path}: truncated or corrupt GGUF (tensor {info.name} is cut short)")
+    raw = _read_raw(path, info).numpy()
     if qtype == QType.F32:
         return torch.from_numpy(raw.view(np.float32).reshape(info.shape))
     if qtype == QType.F16:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.layers.block_quant import BlockWeight, RawBlocks
 from shardserve.layers.linear import PackedWeight, copy_checked, prepack_weight
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 from shardserve.parallel.comm import all_gather, all_reduce
@@ -25,7 +26,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_real = max(0, min(vocab_size - self.start, self.num_local))  # rows not padding
         self.weight = nn.Parameter(torch.zeros(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.load
-        self.shared: PackedWeight | None = None  # the tied LM head's packed rows, when looked up there
+        self.shared: PackedWeight | BlockWeight | None = None  # rows looked up there, not in `weight`
+        self.keep_blocks = False  # `--quantization gguf`: keep a checkpoint's blocks (layers/block_quant.py)
 
     def share_rows_of(self, packed: PackedWeight | None) -> None:
         """Look tokens up in `packed` (the tied LM head's packed copy of this very matrix) and
@@ -42,8 +44,20 @@ class VocabParallelEmbedding(nn.Module):
         tensor = as_lazy(tensor)
         if tensor.shape[0] != self.vocab_size:
             raise ValueError(f"shape mismatch: vocabulary of {self.vocab_size} vs checkpoint {tuple(tensor.shape)}")
+        if self.keep_blocks and tensor.blocks is not None:
+            raw = tensor.blocks().narrow_rows(self.start, self.num_real)
+            padding = torch.zeros(self.num_local - self.num_real, raw.data.shape[1], dtype=torch.uint8)  # d = 0
+            blocks = BlockWeight(RawBlocks(raw.qtype, torch.cat([raw.data, padding]), raw.cols))
+            blocks.dtype = param.dtype
+            self.take_blocks(blocks)
+            self.weight.data = torch.empty(0, dtype=param.dtype)
+            return
         rows = tensor.narrow(0, self.start, self.num_real)
         copy_checked(param.data[: self.num_real], rows.to(param.dtype))
+
+    def take_blocks(self, blocks: BlockWeight) -> None:
+        """Hold the matrix as `blocks` (looked up from there)."""
+        self.shared = blocks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -61,9 +75,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: GroupInfo):
         super().__init__(vocab_size, hidden_size, dtype, tp)
-        self.packed: PackedWeight | None = None
+        self.packed: PackedWeight | BlockWeight | None = None
+
+    def take_blocks(self, blocks: BlockWeight) -> None:
+        self.packed = blocks
 
     def prepack(self) -> None:
+        if self.packed is not None:  # loaded as blocks
+            return
         self.packed = prepack_weight(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)

@@ -248,7 +248,9 @@ def _llama_cpp_permute(weights, num_heads):
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def _write_hf_model_as_gguf(path, arch, hf_config, state_dict):
+def write_hf_model_as_gguf(path, arch, hf_config, state_dict, qtypes=None):
+    """The model as llama.cpp's converter writes it; `qtypes`: GGUF name -> block type to store
+    that tensor in (quantized with the gguf package, as llama-quantize does), others in float32."""
     c = hf_config
     metadata = {
         f"{arch}.block_count": c.num_hidden_layers, f"{arch}.context_length": c.max_position_embeddings,
@@ -267,7 +269,9 @@ def _write_hf_model_as_gguf(path, arch, hf_config, state_dict):
             array = _llama_cpp_permute(array, c.num_attention_heads)
         if arch == "llama" and "k_proj" in name:
             array = _llama_cpp_permute(array, c.num_key_value_heads)
-        tensors[_gguf_name(name)] = (np.ascontiguousarray(array), None)
+        qtype = (qtypes or {}).get(_gguf_name(name))
+        array = np.ascontiguousarray(array)
+        tensors[_gguf_name(name)] = (gguf.quants.quantize(array, qtype), qtype) if qtype else (array, None)
     return write_gguf(path, arch, metadata, tensors)
 
 
@@ -282,7 +286,7 @@ def test_hf_model_round_trip(tmp_path, arch, tied):
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied)
     torch.manual_seed(0)
     state_dict = getattr(transformers, cls_model)(hf_config).state_dict()
-    path = _write_hf_model_as_gguf(tmp_path / f"{arch}.gguf", arch, hf_config, state_dict)
+    path = write_hf_model_as_gguf(tmp_path / f"{arch}.gguf", arch, hf_config, state_dict)
 
     checkpoint = load_checkpoint(str(path))
     ours = dict(checkpoint.iter_tensors())

@@ -1,0 +1,254 @@
+// Linear layers over weights kept in llama.cpp's block formats: y = x W^T (+ b) with W in Q4_0,
+// Q4_1 or Q8_0 blocks of 32 inputs, each with an fp16 scale d (and, for Q4_1, an fp16 minimum m):
+//
+//     Q4_0: w = d * (q - 8),  q in 0..15        Q4_1: w = d * q + m        Q8_0: w = d * q, q in -127..127
+//
+// Each row of x is quantized when it arrives as llama.cpp's dot products quantize it (per block of
+// 32: dx = max|x| / 127, xq = round(x / dx), and sx = the block's sum of xq), so a block's dot
+// product is an exact int32 sum and the whole row costs one float multiply-add a block:
+//
+//     Q4_0: d dx (sum q xq - 8 sx)     Q4_1: d dx sum q xq + m dx sx     Q8_0: d dx (sum (q+128) xq - 128 sx)
+//
+// AVX512-VNNI's vpdpbusd multiplies unsigned by signed bytes: weights enter unsigned (Q8_0 as
+// q + 128), activations signed, and the offsets come off through sx, known with x.
+//
+// Layout (`pack` in layers/block_quant.py): 16 output rows side by side, block by block, one
+// contiguous stream per 16 rows: [groups][blocks][scales | qs], where scales are d[16] (and m[16])
+// in fp16 and qs is 8 registers' worth (4 for the 4-bit formats, two nibbles a byte) of 64 bytes
+// each: register j holds inputs 4j..4j+3 of each of the 16 rows (row r at bytes 4r..4r+3), so one
+// broadcast of 4 activation bytes feeds 16 rows' dots and a block's 16 results land in the 16
+// lanes of one register, ready to scale. For the 4-bit formats register k < 4 holds inputs
+// 4k..4k+3 in its low nibbles and 16+4k..16+4k+3 in its high ones (GGUF's own pairing of nibbles).
+//
+// A row's result depends on that row alone (the same operations in the same order whatever the
+// batch or the tile), so decoding is batch-invariant. Output rows go to threads by groups of 16.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kGroupRows = 16;
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+constexpr int64_t qs_bytes(int64_t f) { return f == kQ8_0 ? 512 : 256; }
+constexpr int64_t scale_bytes(int64_t f) { return f == kQ4_1 ? 64 : 32; }
+constexpr int64_t block_stride(int64_t f) { return qs_bytes(f) + scale_bytes(f); }
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// x row [in] (float or bfloat16) -> xq [in] int8, dx [blocks], sx [blocks]
+template <typename T>
+void quantize_row(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t* sx) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const T* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
+    const float d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int q = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(static_cast<float>(xb[i]) * inv))));
+      xq[b * kBlock + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[b] = d;
+    sx[b] = sum;
+  }
+}
+
+struct Rows {  // the quantized rows of x
+  const int8_t* xq;   // [N][in]
+  const float* dx;    // [N][blocks]
+  const int32_t* sx;  // [N][blocks]
+  int64_t in, blocks;
+};
+
+#if defined(__AVX512VNNI__)
+// y[n0 + t, 16 g + lane] for t < NT into out[t][16], without bias
+template <int64_t F, int NT>
+inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out) {
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr int64_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* p = wg + b * block_stride(F);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const uint8_t* qs = p + scale_bytes(F);
+    __m512i w[8];
+    if constexpr (F == kQ8_0) {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(qs + 64 * j);
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = _mm512_loadu_si512(qs + 64 * k);
+        w[k] = _mm512_and_si512(v, low);
+        w[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int64_t n = n0 + t;
+      const int8_t* xb = x.xq + n * x.in + b * kBlock;
+      int32_t xw[8];
+      std::memcpy(xw, xb, sizeof(xw));
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xw[0]));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xw[1]));
+      s0 = _mm512_dpbusd_epi32(s0, w[2], _mm512_set1_epi32(xw[2]));
+      s1 = _mm512_dpbusd_epi32(s1, w[3], _mm512_set1_epi32(xw[3]));
+      s0 = _mm512_dpbusd_epi32(s0, w[4], _mm512_set1_epi32(xw[4]));
+      s1 = _mm512_dpbusd_epi32(s1, w[5], _mm512_set1_epi32(xw[5]));
+      s0 = _mm512_dpbusd_epi32(s0, w[6], _mm512_set1_epi32(xw[6]));
+      s1 = _mm512_dpbusd_epi32(s1, w[7], _mm512_set1_epi32(xw[7]));
+      __m512i s = _mm512_add_epi32(s0, s1);
+      const float dx = x.dx[n * x.blocks + b];
+      const int32_t sx = x.sx[n * x.blocks + b];
+      if constexpr (offset != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * sx));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[t]);
+      if constexpr (F == kQ4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(sx)), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out + t * kGroupRows, acc[t]);
+}
+#else
+// a CPU without AVX512-VNNI: the same exact block dots and the same float operations, lane by lane
+template <int64_t F, int NT>
+inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out) {
+  for (int t = 0; t < NT; ++t)
+    for (int64_t r = 0; r < kGroupRows; ++r) {
+      const int64_t n = n0 + t;
+      float acc = 0.f;
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        const uint8_t* p = wg + b * block_stride(F);
+        uint16_t dh, mh = 0;
+        std::memcpy(&dh, p + 2 * r, 2);
+        if (F == kQ4_1) std::memcpy(&mh, p + 32 + 2 * r, 2);
+        const uint8_t* qs = p + scale_bytes(F);
+        const int8_t* xb = x.xq + n * x.in + b * kBlock;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          int32_t q;
+          if (F == kQ8_0) {
+            q = qs[(i / 4) * 64 + r * 4 + i % 4];
+          } else {
+            const int64_t j = i % 16;
+            const uint8_t byte = qs[(j / 4) * 64 + r * 4 + j % 4];
+            q = i < 16 ? (byte & 0x0F) : (byte >> 4);
+          }
+          dot += q * xb[i];
+        }
+        const float dx = x.dx[n * x.blocks + b];
+        const int32_t sx = x.sx[n * x.blocks + b];
+        const int32_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);
+        acc = std::fma(static_cast<float>(dot - offset * sx), half_to_float(dh) * dx, acc);
+        if (F == kQ4_1) acc = std::fma(half_to_float(mh), dx * static_cast<float>(sx), acc);
+      }
+      out[t * kGroupRows + r] = acc;
+    }
+}
+#endif
+
+constexpr int64_t kXTile = 4;  // rows of x that share each unpacked weight block
+
+template <int64_t F>
+void tile(const Rows& x, int64_t n0, int64_t nt, const uint8_t* wg, float* out) {
+  switch (nt) {
+    case 1: group_tile<F, 1>(x, n0, wg, out); break;
+    case 2: group_tile<F, 2>(x, n0, wg, out); break;
+    case 3: group_tile<F, 3>(x, n0, wg, out); break;
+    default: group_tile<F, 4>(x, n0, wg, out);
+  }
+}
+
+template <typename T, typename Y>
+void run(int64_t format, const T* xp, int64_t n_rows, int64_t in, const uint8_t* w, int64_t groups, const T* bp,
+         int64_t out, Y* yp) {
+  const int64_t blocks = in / kBlock;
+  std::vector<int8_t> xq(n_rows * in);
+  std::vector<float> dx(n_rows * blocks);
+  std::vector<int32_t> sx(n_rows * blocks);
+  auto quantize = [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      quantize_row(xp + n * in, blocks, xq.data() + n * in, dx.data() + n * blocks, sx.data() + n * blocks);
+  };
+  if (n_rows < 16) quantize(0, n_rows);  // waking the threads costs more than these rows
+  else at::parallel_for(0, n_rows, 1, quantize);
+  const Rows rows{xq.data(), dx.data(), sx.data(), in, blocks};
+  const int64_t group_bytes = blocks * block_stride(format);
+  // chunks of 4 groups (64 rows of W, 24-35 KiB at 576 inputs) stay in L1/L2 while x's rows pass
+  constexpr int64_t kGroupsPerChunk = 4;
+  at::parallel_for(0, (groups + kGroupsPerChunk - 1) / kGroupsPerChunk, 1, [&](int64_t begin, int64_t end) {
+    float buf[kXTile * kGroupRows];
+    for (int64_t ch = begin; ch < end; ++ch) {
+      const int64_t g0 = ch * kGroupsPerChunk, g1 = std::min(groups, g0 + kGroupsPerChunk);
+      for (int64_t n0 = 0; n0 < n_rows; n0 += kXTile) {
+        const int64_t nt = std::min(kXTile, n_rows - n0);
+        for (int64_t g = g0; g < g1; ++g) {
+          const uint8_t* wg = w + g * group_bytes;
+          switch (format) {
+            case kQ4_0: tile<kQ4_0>(rows, n0, nt, wg, buf); break;
+            case kQ4_1: tile<kQ4_1>(rows, n0, nt, wg, buf); break;
+            default: tile<kQ8_0>(rows, n0, nt, wg, buf);
+          }
+          const int64_t nr = std::min(kGroupRows, out - g * kGroupRows);  // rows past `out` are padding
+          for (int64_t t = 0; t < nt; ++t)
+            for (int64_t r = 0; r < nr; ++r) {
+              const int64_t o = g * kGroupRows + r;
+              const float v = buf[t * kGroupRows + r];
+              yp[(n0 + t) * out + o] = static_cast<Y>(bp ? v + static_cast<float>(bp[o]) : v);
+            }
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_out(int64_t format, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t out,
+                  at::Tensor& y) {
+  const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
+  if (y.scalar_type() == at::kFloat)
+    run<T, float>(format, x.data_ptr<T>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0), bp, out,
+                  y.data_ptr<float>());
+  else
+    run<T, T>(format, x.data_ptr<T>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), w.size(0), bp, out, y.data_ptr<T>());
+}
+
+}  // namespace
+
+// x [N, in] float32 or bfloat16 (in a multiple of 32); w uint8 [groups, blocks * stride] packed as
+// above; y [N, out] in x's dtype, or float32 with float_out
+at::Tensor block_linear(at::Tensor x, at::Tensor w, int64_t format, c10::optional<at::Tensor> bias,
+                        int64_t out_features, bool float_out) {
+  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "block_linear: format 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "block_linear: x [N, in], in a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "block_linear: x float32 or bfloat16");
+  const int64_t blocks = x.size(1) / kBlock;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(1) == blocks * block_stride(format) && out_features <= w.size(0) * kGroupRows &&
+                  w.size(0) * kGroupRows - out_features < kGroupRows,
+              "block_linear: w uint8 [ceil(out / 16), blocks * stride] for this format and x");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) bc = bias->to(x.scalar_type()).contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
+  if (x.scalar_type() == at::kFloat) dispatch_out<float>(format, xc, w, bc, out_features, y);
+  else dispatch_out<c10::BFloat16>(format, xc, w, bc, out_features, y);
+  return y;
+}
+
+TORCH_LIBRARY(shardserve_block_linear, m) {
+  m.def("block_linear(Tensor x, Tensor w, int format, Tensor? bias, int out_features, bool float_out) -> Tensor",
+        &block_linear);
+}

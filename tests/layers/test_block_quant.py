@@ -1,0 +1,147 @@
+"""GGUF blocks kept as they are (`--quantization gguf`): the packed layout against the gguf package's
+own blocks, the kernel against the block arithmetic done in float64, and an engine serving a GGUF
+in its blocks against the same file dequantized."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from shardserve.config import ConfigError
+from shardserve.layers.block_quant import BlockWeight, RawBlocks, block_linear_reference
+from shardserve.layers.cpu_kernels import load_block_linear
+from shardserve.layers.linear import Linear, PackedWeight
+from shardserve.llm import LLM
+from tests.conftest import write_tiny_checkpoint
+from tests.engine_helpers import engine_logits, relative_error
+from tests.models.test_gguf_file import write_hf_model_as_gguf
+
+FORMATS = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
+
+
+def _raw(weight: torch.Tensor, qtype: QType) -> RawBlocks:
+    return RawBlocks(qtype, torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype)), weight.shape[1])
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_blocks_dequantize_as_llama_cpp_and_read_back_from_the_packed_layout(qtype):
+    torch.manual_seed(0)
+    raw = _raw(torch.randn(37, 96), qtype)  # 37 rows: a last group of 16 that is mostly padding
+    reference = torch.from_numpy(gguf.quants.dequantize(raw.data.numpy(), qtype))
+    assert torch.equal(raw.dequantize(), reference)
+    weight = BlockWeight(raw)
+    assert torch.equal(weight.raw().data, raw.data)  # pack, then unpack: the file's bytes
+    weight.dtype = torch.float32
+    ids = torch.tensor([36, 0, 17, 17, 5])
+    assert torch.equal(weight.rows(ids), reference[ids])  # an embedding's lookup
+    assert raw.narrow_cols(32, 64).dequantize().equal(reference[:, 32:96])
+    assert raw.narrow_cols(16, 32) is None  # not on block boundaries
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_kernel_is_the_block_arithmetic_and_the_same_in_any_batch(qtype, dtype):
+    if load_block_linear() is None:
+        pytest.skip("no native toolchain")
+    torch.manual_seed(1)
+    for out_features, in_features in ((40, 64), (96, 576)):
+        weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
+        raw = _raw(weight, qtype)
+        blocks = BlockWeight(raw)
+        x = torch.randn(11, in_features).to(dtype)  # tiles of 4 rows and one of 3
+        y = blocks.linear(x, bias)
+        expected = block_linear_reference(x, raw) + bias.double()
+        assert y.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(y.double(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+        wide = blocks.linear_float(x)
+        assert wide.dtype == torch.float32
+        torch.testing.assert_close(wide.double(), expected - bias.double(), atol=1e-5 * expected.abs().max().item(),
+                                   rtol=1e-5)
+        alone = torch.cat([blocks.linear(x[i:i + 1], bias) for i in range(len(x))])
+        assert torch.equal(y, alone)
+        # and near the float product: Q4 keeps 4 bits a weight, the activations 8
+        bound = 0.02 if qtype == QType.Q8_0 else 0.15
+        assert relative_error(blocks.linear(x.float(), None), x.float() @ weight.t()) < bound
+
+
+def test_a_row_parallel_slice_keeps_blocks_only_on_block_boundaries():
+    torch.manual_seed(2)
+    weight = torch.randn(8, 128)
+    tensor = _lazy_blocks(weight, QType.Q8_0)
+    aligned = Linear(64, [8], False, torch.float32, input_slice=(64, 64))  # rank 1 of 2
+    ragged = Linear(48, [8], False, torch.float32, input_slice=(48, 48))  # a share of 48 cuts a block
+    for layer in (aligned, ragged):
+        layer.keep_blocks = True
+        layer.weight.weight_loader(layer.weight, tensor)
+        layer.prepack()
+    assert isinstance(aligned.packed, BlockWeight)
+    assert torch.equal(aligned.packed.raw().dequantize(), tensor.read()[:, 64:])
+    assert isinstance(ragged.packed, PackedWeight)  # dequantized, then packed as a float weight
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(ragged(x), x @ tensor.read()[:, 48:96].t())
+
+
+def _lazy_blocks(weight, qtype):
+    from shardserve.layers.lazy_tensor import LazyTensor
+
+    raw = _raw(weight, qtype)
+    whole = raw.dequantize()
+    return LazyTensor(tuple(whole.shape), lambda dim, a, b: whole if dim is None else whole.narrow(dim, a, b - a),
+                      lambda: raw)
+
+
+def _tiny_gguf(tmp_path, qtypes):
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    state_dict = transformers.LlamaForCausalLM(hf_config).state_dict()
+    for name, tensor in state_dict.items():  # a well-conditioned model: small weights, unit norms
+        if name.endswith("proj.weight") or name.endswith("embed_tokens.weight"):
+            tensor.copy_(torch.randn_like(tensor) * 0.1)
+    names = [f"blk.{i}.{t}.weight" for i in range(2) for t in
+             ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")] + ["token_embd.weight"]
+    return write_hf_model_as_gguf(tmp_path / "tiny.gguf", "llama", hf_config, state_dict,
+                                  qtypes={n: qtypes(n) for n in names})
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_an_engine_on_gguf_blocks_stays_near_the_dequantized_file_and_is_batch_invariant(tmp_path, qtype):
+    path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0 if name == "token_embd.weight" else qtype)
+    kwargs = dict(dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False,
+                  skip_tokenizer_init=True)
+    plain, blocks = LLM(str(path), **kwargs), LLM(str(path), quantization="gguf", **kwargs)
+    model = blocks.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.packed, BlockWeight) and m.packed.qtype == qtype for m in linears)
+    assert isinstance(model.lm_head.packed, BlockWeight) and model.embed_tokens.shared is model.lm_head.packed
+    ids = list(range(3, 60))
+    logits = {chunk: engine_logits(blocks.engine, ids, chunk) for chunk in (10**6, 1)}
+    bound = 0.05 if qtype == QType.Q8_0 else 0.1  # the activations' 8 bits (and bf16's own rounding)
+    assert relative_error(logits[1].float(), engine_logits(plain.engine, ids, 1).float()) < bound
+    assert torch.equal(logits[10**6], logits[1])  # a token's logits: the same in prefill and decode
+
+
+def test_shards_in_different_formats_fall_back_to_one_float_matmul(tmp_path):
+    # llama.cpp's mixed files (Q4_K_M keeps attn_v in Q6_K): a fused qkv of several formats
+    path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0 if "attn_v" in name else QType.Q4_0)
+    kwargs = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False,
+                  skip_tokenizer_init=True)
+    llm = LLM(str(path), quantization="gguf", **kwargs)
+    attn = llm.engine.runner.model.layers[0].self_attn
+    assert isinstance(attn.o_proj.packed, BlockWeight) and not isinstance(attn.qkv_proj.packed, BlockWeight)
+    plain = LLM(str(path), **kwargs)
+    ids = list(range(3, 20))
+    # the qkv matmul is the dequantized file's: only the other layers' activation rounding differs
+    assert relative_error(engine_logits(llm.engine, ids, 100), engine_logits(plain.engine, ids, 100)) < 0.1
+
+
+def test_gguf_quantization_needs_a_gguf_checkpoint(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(ConfigError, match="--quantization gguf needs a .gguf checkpoint"):
+        LLM(str(path), quantization="gguf", kv_cache_memory_bytes=16 << 20, show_progress=False)
