@@ -45,20 +45,19 @@ KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2: layers x (K, V) x KV heads 
 
 
 def gguf_file(fmt: str, bin_dir: Path, cache_dir: Path) -> Path:
-    """The SmolLM2 GGUF in `fmt`: the embedded Q4_1 file, or made from its F32 dequantization."""
+    """The SmolLM2 GGUF in `fmt`: the embedded Q4_1 file, its exact F32 dequantization, or made
+    from that with `llama-quantize` (cached)."""
     src = resolve_model_path("smollm2")
     if fmt == "Q4_1":
         return src
     cache_dir.mkdir(parents=True, exist_ok=True)
-    f32 = cache_dir / "SmolLM2-135M-Instruct.F32.gguf"
     out = cache_dir / f"SmolLM2-135M-Instruct.{fmt}.gguf"
-    quantize = str(bin_dir / "llama-quantize")
-    if not f32.exists():
-        subprocess.run([quantize, "--allow-requantize", str(src), str(f32), "F32", "2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not out.exists():
-        subprocess.run([quantize, str(f32), str(out), fmt, "2"], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        quantize = [str(bin_dir / "llama-quantize")]
+        source = [src] if fmt == "F32" else [gguf_file("F32", bin_dir, cache_dir)]
+        flags = ["--allow-requantize"] if fmt == "F32" else []
+        subprocess.run([*quantize, *flags, *map(str, source), str(out), fmt, "2"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
 
@@ -82,9 +81,11 @@ def read_bandwidth_gb_s() -> float:
 
 def runtime_rss_mib() -> float:
     """The RSS of a process that imported what our server imports and loaded no model."""
-    code = ("import shardserve.server.serve, shardserve.server.api, shardserve.engine.launcher, torch, resource; "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
-    return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    # VmHWM, not ru_maxrss: that one carries the parent's peak across fork and exec
+    code = ("import shardserve.server.serve, shardserve.server.api, shardserve.engine.launcher, torch, pathlib; "
+            "print(next(l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM')))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return int(out.split()[1]) / 1024
 
 
 def step_bytes(gguf: Path) -> int:

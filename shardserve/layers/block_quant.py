@@ -157,13 +157,14 @@ class BlockWeight:
         rows = x.reshape(-1, x.shape[-1])
         if self.kernel is not None:
             return self.kernel(rows, self.data, self.format, bias, self.out_features, float_out)
-        raw = unpack_rows(self.data, self.qtype, self.in_features, torch.arange(self.out_features))
-        y = block_linear_reference(rows, raw)  # no toolchain: the reference arithmetic
+        y = block_linear_reference(rows, self.raw())  # no toolchain: the reference arithmetic
         if bias is not None:
             y = y + bias.double()
         return y.to(torch.float32 if float_out else x.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2 and self.kernel is not None:  # the decode loop's case, without the reshapes
+            return self.kernel(x, self.data, self.format, bias, self.out_features, False)
         return self._run(x, bias, False).view(*x.shape[:-1], self.out_features)
 
     def linear_float(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_local = -(-vocab_size // tp.size)
         self.start = tp.rank * self.num_local
         self.num_real = max(0, min(vocab_size - self.start, self.num_local))  # rows not padding
-        self.weight = nn.Parameter(torch.zeros(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
+        # not zeros: untouched pages cost no memory, and a matrix loaded as blocks never touches them
+        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.load
         self.shared: PackedWeight | BlockWeight | None = None  # rows looked up there, not in `weight`
         self.keep_blocks = False  # `--quantization gguf`: keep a checkpoint's blocks (layers/block_quant.py)
@@ -54,6 +55,7 @@ class VocabParallelEmbedding(nn.Module):
             return
         rows = tensor.narrow(0, self.start, self.num_real)
         copy_checked(param.data[: self.num_real], rows.to(param.dtype))
+        param.data[self.num_real:].zero_()  # the last tp rank's padding rows
 
     def take_blocks(self, blocks: BlockWeight) -> None:
         """Hold the matrix as `blocks` (looked up from there)."""

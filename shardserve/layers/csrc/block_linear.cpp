@@ -38,6 +38,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroupRows = 16;
+constexpr int64_t kPrefetch = 2048;  // bytes ahead of the block being read
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 
 constexpr int64_t qs_bytes(int64_t f) { return f == kQ8_0 ? 512 : 256; }
@@ -66,6 +67,34 @@ void quantize_row(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t* sx
   }
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const c10::BFloat16* p) {  // bf16 -> f32: the bits shifted into the high half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// quantize_row's arithmetic on 16 lanes: the same max, scale, products and rounding (to nearest
+// even), so the same bytes
+template <typename T>
+void quantize_row_vec(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t* sx) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 lo = load16f(x + b * kBlock), hi = load16f(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+    const float d = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    const __m512i qlo = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
+    const __m512i qhi = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), _mm512_cvtepi32_epi8(qhi));
+    dx[b] = d;
+    sx[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  }
+}
+#endif
+
 struct Rows {  // the quantized rows of x
   const int8_t* xq;   // [N][in]
   const float* dx;    // [N][blocks]
@@ -83,6 +112,9 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
   constexpr int64_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* p = wg + b * block_stride(F);
+    // the stream runs on into the next group: ask for the block kPrefetch bytes ahead now (the
+    // hardware prefetchers alone left a batch-1 step at half the memory's bandwidth)
+    for (int64_t line = 0; line < block_stride(F); line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + line), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const uint8_t* qs = p + scale_bytes(F);
     __m512i w[8];
@@ -180,7 +212,11 @@ void run(int64_t format, const T* xp, int64_t n_rows, int64_t in, const uint8_t*
   std::vector<int32_t> sx(n_rows * blocks);
   auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
+#if defined(__AVX512F__)
+      quantize_row_vec(xp + n * in, blocks, xq.data() + n * in, dx.data() + n * blocks, sx.data() + n * blocks);
+#else
       quantize_row(xp + n * in, blocks, xq.data() + n * in, dx.data() + n * blocks, sx.data() + n * blocks);
+#endif
   };
   if (n_rows < 16) quantize(0, n_rows);  // waking the threads costs more than these rows
   else at::parallel_for(0, n_rows, 1, quantize);
