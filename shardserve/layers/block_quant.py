@@ -146,7 +146,9 @@ class BlockWeight:
         self.format = FORMATS[raw.qtype][0]
         self.out_features, self.in_features = raw.data.shape[0], raw.cols
         self.data = pack(raw)
-        self.kernel = load_block_linear()
+        kernels = load_block_linear()
+        self.kernel = None if kernels is None else kernels.block_linear.default
+        self.rows_kernel = None if kernels is None else kernels.block_rows.default
         self.dtype = torch.bfloat16  # of what `rows` returns; the model sets its own
 
     @property
@@ -175,6 +177,8 @@ class BlockWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [T, in] in `dtype`, dequantized from the blocks (an embedding's lookup)."""
+        if self.rows_kernel is not None:
+            return self.rows_kernel(self.data, self.format, ids, self.in_features, self.dtype)
         return unpack_rows(self.data, self.qtype, self.in_features, ids).dequantize().to(self.dtype)
 
     def raw(self) -> RawBlocks:

@@ -144,7 +144,7 @@ def load_int8_linear():
 
 
 def load_block_linear():
-    """`block_linear(x [N, in], w, format, bias | None, out, float_out)` -> [N, out] for a weight in
-    GGUF blocks packed as layers/block_quant.py packs it; or None."""
-    module = _load("block_linear")
-    return None if module is None else module.block_linear.default
+    """The block kernels' module for a weight in GGUF blocks packed as layers/block_quant.py packs
+    it (`block_linear(x [N, in], w, format, bias | None, out, float_out)` -> [N, out];
+    `block_rows(w, format, ids, cols, dtype)` -> the rows dequantized), or None."""
+    return _load("block_linear")

@@ -38,7 +38,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroupRows = 16;
-constexpr int64_t kPrefetch = 2048;  // bytes ahead of the block being read
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 
 constexpr int64_t qs_bytes(int64_t f) { return f == kQ8_0 ? 512 : 256; }
@@ -112,9 +111,6 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
   constexpr int64_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* p = wg + b * block_stride(F);
-    // the stream runs on into the next group: ask for the block kPrefetch bytes ahead now (the
-    // hardware prefetchers alone left a batch-1 step at half the memory's bandwidth)
-    for (int64_t line = 0; line < block_stride(F); line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + line), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const uint8_t* qs = p + scale_bytes(F);
     __m512i w[8];
@@ -130,16 +126,18 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
     for (int t = 0; t < NT; ++t) {
       const int64_t n = n0 + t;
       const int8_t* xb = x.xq + n * x.in + b * kBlock;
-      int32_t xw[8];
-      std::memcpy(xw, xb, sizeof(xw));
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(xw[0]));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(xw[1]));
-      s0 = _mm512_dpbusd_epi32(s0, w[2], _mm512_set1_epi32(xw[2]));
-      s1 = _mm512_dpbusd_epi32(s1, w[3], _mm512_set1_epi32(xw[3]));
-      s0 = _mm512_dpbusd_epi32(s0, w[4], _mm512_set1_epi32(xw[4]));
-      s1 = _mm512_dpbusd_epi32(s1, w[5], _mm512_set1_epi32(xw[5]));
-      s0 = _mm512_dpbusd_epi32(s0, w[6], _mm512_set1_epi32(xw[6]));
-      s1 = _mm512_dpbusd_epi32(s1, w[7], _mm512_set1_epi32(xw[7]));
+      // 4 activation bytes broadcast from memory (as a float: GCC moves an int through a general
+      // register first)
+      const float* xf = reinterpret_cast<const float*>(xb);
+      auto xw = [xf](int j) { return _mm512_castps_si512(_mm512_set1_ps(xf[j])); };
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], xw(0));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], xw(1));
+      s0 = _mm512_dpbusd_epi32(s0, w[2], xw(2));
+      s1 = _mm512_dpbusd_epi32(s1, w[3], xw(3));
+      s0 = _mm512_dpbusd_epi32(s0, w[4], xw(4));
+      s1 = _mm512_dpbusd_epi32(s1, w[5], xw(5));
+      s0 = _mm512_dpbusd_epi32(s0, w[6], xw(6));
+      s1 = _mm512_dpbusd_epi32(s1, w[7], xw(7));
       __m512i s = _mm512_add_epi32(s0, s1);
       const float dx = x.dx[n * x.blocks + b];
       const int32_t sx = x.sx[n * x.blocks + b];
@@ -284,7 +282,48 @@ at::Tensor block_linear(at::Tensor x, at::Tensor w, int64_t format, c10::optiona
   return y;
 }
 
+// rows `ids` of the weight, dequantized as llama.cpp dequantizes (d (q - 8), d q + m, d q in float32),
+// in `dtype`: an embedding's lookup in its LM head's blocks
+at::Tensor block_rows(at::Tensor w, int64_t format, at::Tensor ids, int64_t cols, at::ScalarType dtype) {
+  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "block_rows: format 0, 1 or 2");
+  TORCH_CHECK(cols % kBlock == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(1) == cols / kBlock * block_stride(format), "block_rows: w does not match cols");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "block_rows: ids int64 [T]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.size(0), blocks = cols / kBlock, stride = block_stride(format), rows = w.size(0) * kGroupRows;
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < rows, "block_rows: id out of range");
+  at::Tensor out = at::empty({n, cols}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t r = id[t] % kGroupRows;
+    const uint8_t* group = base + id[t] / kGroupRows * w.size(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* p = group + b * stride;
+      uint16_t dh, mh = 0;
+      std::memcpy(&dh, p + 2 * r, 2);
+      if (format == kQ4_1) std::memcpy(&mh, p + 32 + 2 * r, 2);
+      const float d = half_to_float(dh), m = half_to_float(mh);
+      const uint8_t* qs = p + scale_bytes(format);
+      float* ob = o + t * cols + b * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        if (format == kQ8_0) {
+          ob[i] = static_cast<float>(static_cast<int32_t>(qs[(i / 4) * 64 + r * 4 + i % 4]) - 128) * d;
+        } else {
+          const int64_t j = i % 16;
+          const uint8_t byte = qs[(j / 4) * 64 + r * 4 + j % 4];
+          const float q = static_cast<float>(i < 16 ? (byte & 0x0F) : (byte >> 4));
+          ob[i] = format == kQ4_0 ? (q - 8.f) * d : q * d + m;
+        }
+      }
+    }
+  }
+  return out.to(dtype);
+}
+
 TORCH_LIBRARY(shardserve_block_linear, m) {
   m.def("block_linear(Tensor x, Tensor w, int format, Tensor? bias, int out_features, bool float_out) -> Tensor",
         &block_linear);
+  m.def("block_rows(Tensor w, int format, Tensor ids, int cols, ScalarType dtype) -> Tensor", &block_rows);
 }
