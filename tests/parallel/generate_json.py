@@ -4,6 +4,7 @@
 Used by the multi-rank tests as a subprocess, so that every rank is a fresh process (and, for
 the single-process baseline, in-process through `generate`):
     python tests/parallel/generate_json.py MODEL --tp 2 --pp 1 --ep 1 --max-tokens 6 [--speculative ngram|self-draft]
+        [--quantization gguf]
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ SPECULATIVE = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt
 
 
 def generate(model: str, tp: int = 1, pp: int = 1, ep: int = 1, num_micro_batches: int | None = None,
-             max_tokens: int = 6, speculative: str | None = None) -> dict:
+             max_tokens: int = 6, speculative: str | None = None, quantization: str | None = None) -> dict:
     spec = {"model": model, **SPECULATIVE[speculative]} if speculative == "self-draft" else SPECULATIVE.get(speculative)
+    # a GGUF written by the tests carries no tokenizer: prompts and outputs are token ids anyway
     with LLM(model, tp_size=tp, pp_size=pp, ep_size=ep, num_micro_batches=num_micro_batches,
-             show_progress=False, kv_cache_memory_bytes=1 << 22, speculative_config=spec) as llm:
+             show_progress=False, kv_cache_memory_bytes=1 << 22, speculative_config=spec, quantization=quantization,
+             skip_tokenizer_init=model.endswith(".gguf")) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=-1))
         stats = llm.engine.speculator.stats if spec else None
     result = {"tokens": [], "logprobs": [], "num_draft_tokens": stats.num_draft_tokens if stats else 0,
@@ -50,9 +53,10 @@ def main() -> None:
     parser.add_argument("--num-micro-batches", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=6)
     parser.add_argument("--speculative", choices=tuple(SPECULATIVE), default=None)
+    parser.add_argument("--quantization", default=None)
     args = parser.parse_args()
     print(json.dumps(generate(args.model, args.tp, args.pp, args.ep, args.num_micro_batches, args.max_tokens,
-                              args.speculative)))
+                              args.speculative, args.quantization)))
 
 
 if __name__ == "__main__":
