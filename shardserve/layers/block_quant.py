@@ -1,5 +1,5 @@
-"""Weights kept in llama.cpp's block formats (`--quantization gguf`): Q4_0, Q4_1 and Q8_0 tensors of
-a GGUF file stay in their blocks, exactly as the file has them, repacked for csrc/block_linear.cpp.
+"""Weights kept in llama.cpp's block formats (`--quantization gguf`): Q4_0, Q4_1, Q8_0 and Q4_K tensors
+of a GGUF file stay in their blocks, exactly as the file has them, repacked for csrc/block_linear.cpp.
 
 A decode step reads every weight once, so its time is the weights' bytes over memory bandwidth:
 SmolLM2's Q4_1 file holds its linears in 0.625 bytes a weight, against 2 for the bfloat16 they
@@ -7,23 +7,27 @@ were dequantized to before. Activations are quantized per block of 32 as llama.c
 for its dot products (Q8_0: scale max|x| / 127, round to nearest), and every block dot is an
 exact int32 sum (AVX512-VNNI), scaled once.
 
-The kernel's layout puts 16 output rows side by side, block after block (see the kernel's header);
-`BlockWeight` packs GGUF rows into it, reads rows back out (a tied embedding's lookup) and has the
-reference arithmetic the tests compare against.
+Q4_K keeps its 4-bit quants and 6-bit scales and mins as they are (a block's scale is formed in
+the kernel), so every format holds about its file's bytes. The kernel's layout puts 16 output rows
+side by side, block after block (see the kernel's header); `pack` builds it from GGUF rows,
+`BlockWeight` multiplies by it and reads rows back out (a tied embedding's lookup), and
+`block_linear_reference` is the arithmetic the tests compare the kernel against.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
 import torch
 from gguf import GGMLQuantizationType as QType
 
 from shardserve.layers.cpu_kernels import load_block_linear
 
-BLOCK = 32
+BLOCK = 32  # inputs per block of the kernel
 GROUP_ROWS = 16
-# GGUF type -> (the kernel's format id, bytes of one GGUF block, bytes of its scales in the packed layout)
-FORMATS = {QType.Q4_0: (0, 18, 32), QType.Q4_1: (1, 20, 64), QType.Q8_0: (2, 34, 32)}
+SUPER_BLOCK = 256  # Q4_K's inputs per GGUF block
+# GGUF type -> (the kernel's format id, inputs of one GGUF block, its bytes)
+FORMATS = {QType.Q4_0: (0, 32, 18), QType.Q4_1: (1, 32, 20), QType.Q8_0: (2, 32, 34), QType.Q4_K: (3, 256, 144)}
 KEPT_TYPES = frozenset(FORMATS)  # the types `--quantization gguf` keeps in blocks; others are dequantized
 
 
@@ -35,19 +39,15 @@ class RawBlocks:
     data: torch.Tensor
     cols: int
 
-    @property
-    def block_bytes(self) -> int:
-        return FORMATS[self.qtype][1]
-
     def narrow_rows(self, start: int, length: int) -> "RawBlocks":
         return RawBlocks(self.qtype, self.data.narrow(0, start, length), self.cols)
 
     def narrow_cols(self, start: int, length: int) -> "RawBlocks | None":
         """Inputs [start, start + length), or None unless both ends are on block boundaries."""
-        if start % BLOCK or length % BLOCK:
+        _, size, nbytes = FORMATS[self.qtype]
+        if start % size or length % size:
             return None
-        bb = self.block_bytes
-        return RawBlocks(self.qtype, self.data.narrow(1, start // BLOCK * bb, length // BLOCK * bb), length)
+        return RawBlocks(self.qtype, self.data.narrow(1, start // size * nbytes, length // size * nbytes), length)
 
     def permute_rows(self, order: torch.Tensor) -> "RawBlocks":
         return RawBlocks(self.qtype, self.data[order], self.cols)
@@ -57,33 +57,22 @@ class RawBlocks:
         return RawBlocks(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].cols)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [rows, cols], as llama.cpp dequantizes these blocks."""
-        rows = self.data.shape[0]
-        blocks = self.data.reshape(rows, -1, self.block_bytes)
-        d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, B, 1]
-        if self.qtype == QType.Q8_0:
-            q = blocks[..., 2:].contiguous().view(torch.int8).float()
-            values = q * d
-        else:
-            qs = blocks[..., -16:]
-            q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # elements 0..15 low nibbles, 16..31 high
-            if self.qtype == QType.Q4_0:
-                values = (q - 8) * d
-            else:
-                values = q * d + blocks[..., 2:4].contiguous().view(torch.float16).float()
-        return values.reshape(rows, self.cols)
+        """float32 [rows, cols], llama.cpp's values (the gguf package dequantizes)."""
+        return torch.from_numpy(gguf.quants.dequantize(self.data.numpy(), self.qtype)).reshape(-1, self.cols)
 
 
 def pack(raw: RawBlocks) -> torch.Tensor:
-    """GGUF rows -> the kernel's layout, uint8 [ceil(rows / 16), blocks * stride]: per 16 rows and
-    block, the 16 fp16 scales d (then the 16 minimums m for Q4_1), then the quants, register j
-    holding inputs 4j..4j+3 of the 16 rows (the 4-bit formats' byte i already pairs inputs i and
-    i + 16, which the kernel splits into registers k and 4 + k)."""
-    _, bb, _ = FORMATS[raw.qtype]
-    rows, blocks = raw.data.shape[0], raw.cols // BLOCK
+    """GGUF rows -> the kernel's layout, uint8 [ceil(rows / 16), stream]: per 16 rows and block,
+    the 16 fp16 scales d (then the 16 minimums m for Q4_1), then the quants, register j holding
+    inputs 4j..4j+3 of the 16 rows (the 4-bit formats' byte i pairs inputs i and i + 16, which the
+    kernel splits into registers k and 4 + k). Q4_K: see _pack_q4_k."""
+    _, size, nbytes = FORMATS[raw.qtype]
+    rows, blocks = raw.data.shape[0], raw.cols // size
     groups = -(-rows // GROUP_ROWS)
     data = torch.nn.functional.pad(raw.data, (0, 0, 0, groups * GROUP_ROWS - rows))  # zero rows: d = 0
-    b = data.reshape(groups, GROUP_ROWS, blocks, bb).transpose(1, 2)  # [G, B, 16 rows, block]
+    b = data.reshape(groups, GROUP_ROWS, blocks, nbytes).transpose(1, 2)  # [G, B, 16 rows, block]
+    if raw.qtype == QType.Q4_K:
+        return _pack_q4_k(b)
     parts = [b[..., 0:2]]
     if raw.qtype == QType.Q8_0:
         qs = (b[..., 2:] ^ 0x80).reshape(groups, blocks, GROUP_ROWS, 8, 4)  # q + 128: unsigned for vpdpbusd
@@ -92,29 +81,32 @@ def pack(raw: RawBlocks) -> torch.Tensor:
             parts.append(b[..., 2:4])
         qs = b[..., -16:].reshape(groups, blocks, GROUP_ROWS, 4, 4)
     scales = [p.reshape(groups, blocks, 2 * GROUP_ROWS) for p in parts]
-    quants = qs.permute(0, 1, 3, 2, 4).reshape(groups, blocks, -1)  # [G, B, register, row, 4 bytes]
-    return torch.cat([*scales, quants], dim=-1).reshape(groups, -1).contiguous()
+    return torch.cat([*scales, _registers(qs)], dim=-1).reshape(groups, -1).contiguous()
 
 
-def unpack_rows(packed: torch.Tensor, qtype: QType, cols: int, ids: torch.Tensor) -> RawBlocks:
-    """The GGUF rows `ids` back out of `pack`'s layout (pack's inverse, row by row)."""
-    _, bb, scale_bytes = FORMATS[qtype]
-    blocks = cols // BLOCK
-    g = packed.view(packed.shape[0], blocks, -1)[ids // GROUP_ROWS]  # [T, B, stride]
-    r = (ids % GROUP_ROWS).view(-1, 1, 1)
-    take = lambda t, width: t.view(len(ids), blocks, GROUP_ROWS, width).gather(  # noqa: E731
-        2, r.unsqueeze(-1).expand(-1, blocks, 1, width)).squeeze(2)
-    parts = [take(g[..., 0:32], 2)]
-    if qtype == QType.Q4_1:
-        parts.append(take(g[..., 32:64], 2))
-    quants = g[..., scale_bytes:]
-    registers = 8 if qtype == QType.Q8_0 else 4
-    q = quants.view(len(ids), blocks, registers, GROUP_ROWS, 4).transpose(2, 3)  # [T, B, row, register, 4]
-    q = q.gather(2, r.view(-1, 1, 1, 1, 1).expand(-1, blocks, 1, registers, 4)).reshape(len(ids), blocks, -1)
-    if qtype == QType.Q8_0:
-        q = q ^ 0x80
-    data = torch.cat([*parts, q], dim=-1).reshape(len(ids), blocks * bb)
-    return RawBlocks(qtype, data, cols)
+def _registers(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16 rows, registers, 4 bytes] -> [..., registers x 16 rows x 4 bytes]."""
+    return qs.transpose(-3, -2).reshape(*qs.shape[:-3], -1)
+
+
+def _pack_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks [G, S, 16 rows, 144 bytes] -> per 16 rows and super-block: d and dmin
+    (fp16, 16 each), each of its 8 blocks' 6-bit scales then mins (a byte each, 16 + 16), then the
+    8 blocks' quants as the other 4-bit formats have theirs (the file pairs inputs i and i + 32 of
+    each 64 in a byte; the kernel wants i and i + 16 of each 32)."""
+    groups, supers = b.shape[:2]
+    head = b[..., 4:16].long()  # get_scale_min_k4's 12 bytes
+    low6 = head & 63
+    scales = torch.cat([low6[..., 0:4], (head[..., 8:12] & 15) | ((head[..., 0:4] >> 6) << 4)], dim=-1)
+    mins = torch.cat([low6[..., 4:8], (head[..., 8:12] >> 4) | ((head[..., 4:8] >> 6) << 4)], dim=-1)
+    qs = b[..., 16:].reshape(groups, supers, GROUP_ROWS, 4, 32)  # [.., chunk of 64, byte]
+    q = torch.stack([qs & 15, qs >> 4], dim=-2).reshape(groups, supers, GROUP_ROWS, 8, 32)  # [.., block, input]
+    paired = (q[..., :16] | (q[..., 16:] << 4)).reshape(groups, supers, GROUP_ROWS, 8, 4, 4)
+    quants = _registers(paired.permute(0, 1, 3, 2, 4, 5))  # [G, S, block, 4 registers x 16 rows x 4]
+    sm = torch.stack([scales, mins], dim=-1).permute(0, 1, 3, 4, 2).to(torch.uint8)  # [G, S, block, 2, 16 rows]
+    parts = [b[..., 0:2].reshape(groups, supers, 32), b[..., 2:4].reshape(groups, supers, 32),
+             sm.reshape(groups, supers, -1), quants.reshape(groups, supers, -1)]
+    return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,51 +128,45 @@ def block_linear_reference(x: torch.Tensor, raw: RawBlocks) -> torch.Tensor:
 
 class BlockWeight:
     """A Linear's (or an LM head's) weight [out, in] in GGUF blocks; `linear(x, bias)` is x W^T (+ b)
-    through csrc/block_linear.cpp, as PackedWeight's."""
+    through csrc/block_linear.cpp, as PackedWeight's. Needs the native kernels (no torch fallback:
+    without a compiler the loader dequantizes instead, `kernels_available`)."""
 
     fuses_silu_mul = False
     gathers_rows = True
 
     def __init__(self, raw: RawBlocks):
+        kernels = load_block_linear()
+        if kernels is None:
+            raise RuntimeError("GGUF blocks need the native CPU kernels (csrc/block_linear.cpp)")
+        self.kernel, self.rows_kernel = kernels.block_linear.default, kernels.block_rows.default
         self.qtype = raw.qtype
         self.format = FORMATS[raw.qtype][0]
         self.out_features, self.in_features = raw.data.shape[0], raw.cols
         self.data = pack(raw)
-        kernels = load_block_linear()
-        self.kernel = None if kernels is None else kernels.block_linear.default
-        self.rows_kernel = None if kernels is None else kernels.block_rows.default
         self.dtype = torch.bfloat16  # of what `rows` returns; the model sets its own
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.kernel is not None:
-            return self.kernel(rows, self.data, self.format, bias, self.out_features, float_out)
-        y = block_linear_reference(rows, self.raw())  # no toolchain: the reference arithmetic
-        if bias is not None:
-            y = y + bias.double()
-        return y.to(torch.float32 if float_out else x.dtype)
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2 and self.kernel is not None:  # the decode loop's case, without the reshapes
+        if x.dim() == 2:
             return self.kernel(x, self.data, self.format, bias, self.out_features, False)
-        return self._run(x, bias, False).view(*x.shape[:-1], self.out_features)
+        y = self.kernel(x.reshape(-1, x.shape[-1]), self.data, self.format, bias, self.out_features, False)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def linear_float(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, None, True)
+        """linear(x, None) in float32 for x [N, in] (an LM head's logits)."""
+        return self.kernel(x, self.data, self.format, None, self.out_features, True)
 
     def linear_argmax(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_float(x).argmax(dim=-1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [T, in] in `dtype`, dequantized from the blocks (an embedding's lookup)."""
-        if self.rows_kernel is not None:
-            return self.rows_kernel(self.data, self.format, ids, self.in_features, self.dtype)
-        return unpack_rows(self.data, self.qtype, self.in_features, ids).dequantize().to(self.dtype)
+        return self.rows_kernel(self.data, self.format, ids, self.in_features, self.dtype)
 
-    def raw(self) -> RawBlocks:
-        """Every row back as GGUF blocks."""
-        return unpack_rows(self.data, self.qtype, self.in_features, torch.arange(self.out_features))
+
+def kernels_available() -> bool:
+    """Whether GGUF blocks can be kept (the native kernels built)."""
+    return load_block_linear() is not None

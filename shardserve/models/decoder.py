@@ -7,6 +7,7 @@ batch; only attention looks at sequence boundaries, through its backend's per-st
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -17,6 +18,7 @@ from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.attention.backend import AttentionBackend
 from shardserve.layers.attention.paged_kv import KVShape
 from shardserve.layers.attention.torch_backend import TorchAttention
+from shardserve.layers.block_quant import kernels_available
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 from shardserve.layers.linear import Linear, default_weight_loader
 from shardserve.layers.norm import RMSNorm
@@ -27,6 +29,8 @@ from shardserve.models.weight_names import WEIGHT_NAMES
 from shardserve.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.parallel.groups import GroupInfo, ParallelGroups
 from shardserve.parallel.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+log = logging.getLogger(__name__)
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them with tp=1); the backend rotates,
@@ -156,7 +160,11 @@ class DecoderModel(nn.Module):
     def keep_checkpoint_blocks(self) -> None:
         """`--quantization gguf`: the linears, the LM head and the embedding take a GGUF tensor's
         blocks as they are where the kernels have its format (layers/block_quant.py); call before
-        load_weights. Other tensors (norms, MoE experts, other formats) load as usual."""
+        load_weights. Other tensors (norms, MoE experts, other formats) load as usual, and all of
+        them where the native kernels are missing (no compiler: a warning says so)."""
+        if not kernels_available():
+            log.warning("--quantization gguf: no native CPU kernels, so the GGUF's blocks are dequantized")
+            return
         for module in self.modules():
             if isinstance(module, (Linear, VocabParallelEmbedding)):
                 module.keep_blocks = True

@@ -1,7 +1,9 @@
 // Linear layers over weights kept in llama.cpp's block formats: y = x W^T (+ b) with W in Q4_0,
-// Q4_1 or Q8_0 blocks of 32 inputs, each with an fp16 scale d (and, for Q4_1, an fp16 minimum m):
+// Q4_1 or Q8_0 blocks of 32 inputs, each with an fp16 scale d (and, for Q4_1, an fp16 minimum m),
+// or in Q4_K super-blocks of 256 (8 blocks of 32 with 6-bit scales and mins under fp16 d, dmin):
 //
 //     Q4_0: w = d * (q - 8),  q in 0..15        Q4_1: w = d * q + m        Q8_0: w = d * q, q in -127..127
+//     Q4_K: w = (d * scale) * q - dmin * min: Q4_1's arithmetic once a block's d and m are formed
 //
 // Each row of x is quantized when it arrives as llama.cpp's dot products quantize it (per block of
 // 32: dx = max|x| / 127, xq = round(x / dx), and sx = the block's sum of xq), so a block's dot
@@ -38,13 +40,48 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroupRows = 16;
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3 };
+constexpr bool valid_format(int64_t f) { return f >= kQ4_0 && f <= kQ4_K; }
 
 constexpr int64_t qs_bytes(int64_t f) { return f == kQ8_0 ? 512 : 256; }
 constexpr int64_t scale_bytes(int64_t f) { return f == kQ4_1 ? 64 : 32; }
 constexpr int64_t block_stride(int64_t f) { return qs_bytes(f) + scale_bytes(f); }
+// Q4_K packs 8 blocks (a super-block of 256 inputs) together: the 16 rows' d and dmin (fp16), then
+// each block's 6-bit scales and mins (a byte each, 16 + 16), then the 8 blocks' quants
+constexpr int64_t kSuperBlocks = 8;
+constexpr int64_t kSuperHead = 64 + kSuperBlocks * 32;
+constexpr int64_t kSuperBytes = kSuperHead + kSuperBlocks * 256;
+constexpr int64_t group_bytes(int64_t f, int64_t blocks) {
+  return f == kQ4_K ? blocks / kSuperBlocks * kSuperBytes : blocks * block_stride(f);
+}
+constexpr bool has_min(int64_t f) { return f == kQ4_1 || f == kQ4_K; }
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// block b of a group: its quants, and row r's scale d and minimum m (m = 0 without one), as
+// w = d q + m (Q4_0, Q8_0: the offsets 8 and 128 come off q separately). Q4_K's d is d * scale and
+// its m is -(dmin * min): products exact in float32 (11 by 6 bits), llama.cpp's values
+inline const uint8_t* block_scalars(int64_t f, const uint8_t* wg, int64_t b, int64_t r, float& d, float& m) {
+  uint16_t h;
+  if (f == kQ4_K) {
+    const uint8_t* sp = wg + b / kSuperBlocks * kSuperBytes;
+    const uint8_t* sm = sp + 64 + b % kSuperBlocks * 32;
+    std::memcpy(&h, sp + 2 * r, 2);
+    d = half_to_float(h) * static_cast<float>(sm[r]);
+    std::memcpy(&h, sp + 32 + 2 * r, 2);
+    m = -(half_to_float(h) * static_cast<float>(sm[16 + r]));
+    return sp + kSuperHead + b % kSuperBlocks * 256;
+  }
+  const uint8_t* p = wg + b * block_stride(f);
+  std::memcpy(&h, p + 2 * r, 2);
+  d = half_to_float(h);
+  m = 0.f;
+  if (f == kQ4_1) {
+    std::memcpy(&h, p + 32 + 2 * r, 2);
+    m = half_to_float(h);
+  }
+  return p + scale_bytes(f);
+}
 
 // x row [in] (float or bfloat16) -> xq [in] int8, dx [blocks], sx [blocks]
 template <typename T>
@@ -94,6 +131,14 @@ void quantize_row_vec(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t
 }
 #endif
 
+// quant i of row r in a block's packed quants (Q8_0: q + 128)
+inline int32_t quant(int64_t f, const uint8_t* qs, int64_t r, int64_t i) {
+  if (f == kQ8_0) return qs[(i / 4) * 64 + r * 4 + i % 4];
+  const int64_t j = i % 16;
+  const uint8_t byte = qs[(j / 4) * 64 + r * 4 + j % 4];
+  return i < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
 struct Rows {  // the quantized rows of x
   const int8_t* xq;   // [N][in]
   const float* dx;    // [N][blocks]
@@ -103,6 +148,30 @@ struct Rows {  // the quantized rows of x
 
 #if defined(__AVX512VNNI__)
 // y[n0 + t, 16 g + lane] for t < NT into out[t][16], without bias
+inline __m512 load_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_bytes(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// block_scalars for the 16 rows at once
+template <int64_t F>
+inline const uint8_t* block_vectors(const uint8_t* wg, int64_t b, __m512& d, __m512& m) {
+  if constexpr (F == kQ4_K) {
+    const uint8_t* sp = wg + b / kSuperBlocks * kSuperBytes;
+    const uint8_t* sm = sp + 64 + b % kSuperBlocks * 32;
+    d = _mm512_mul_ps(load_halves(sp), load_bytes(sm));
+    m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(load_halves(sp + 32), load_bytes(sm + 16)));
+    return sp + kSuperHead + b % kSuperBlocks * 256;
+  } else {
+    const uint8_t* p = wg + b * block_stride(F);
+    d = load_halves(p);
+    if constexpr (F == kQ4_1) m = load_halves(p + 32);
+    return p + scale_bytes(F);
+  }
+}
+
 template <int64_t F, int NT>
 inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out) {
   __m512 acc[NT];
@@ -110,9 +179,8 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
   const __m512i low = _mm512_set1_epi8(0x0F);
   constexpr int64_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);
   for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* p = wg + b * block_stride(F);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const uint8_t* qs = p + scale_bytes(F);
+    __m512 d, m;
+    const uint8_t* qs = block_vectors<F>(wg, b, d, m);
     __m512i w[8];
     if constexpr (F == kQ8_0) {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(qs + 64 * j);
@@ -143,10 +211,7 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
       const int32_t sx = x.sx[n * x.blocks + b];
       if constexpr (offset != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * sx));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[t]);
-      if constexpr (F == kQ4_1) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(sx)), acc[t]);
-      }
+      if constexpr (has_min(F)) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(sx)), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out + t * kGroupRows, acc[t]);
@@ -155,34 +220,21 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
 // a CPU without AVX512-VNNI: the same exact block dots and the same float operations, lane by lane
 template <int64_t F, int NT>
 inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out) {
+  constexpr int32_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);
   for (int t = 0; t < NT; ++t)
     for (int64_t r = 0; r < kGroupRows; ++r) {
       const int64_t n = n0 + t;
       float acc = 0.f;
       for (int64_t b = 0; b < x.blocks; ++b) {
-        const uint8_t* p = wg + b * block_stride(F);
-        uint16_t dh, mh = 0;
-        std::memcpy(&dh, p + 2 * r, 2);
-        if (F == kQ4_1) std::memcpy(&mh, p + 32 + 2 * r, 2);
-        const uint8_t* qs = p + scale_bytes(F);
+        float d, m;
+        const uint8_t* qs = block_scalars(F, wg, b, r, d, m);
         const int8_t* xb = x.xq + n * x.in + b * kBlock;
         int32_t dot = 0;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          int32_t q;
-          if (F == kQ8_0) {
-            q = qs[(i / 4) * 64 + r * 4 + i % 4];
-          } else {
-            const int64_t j = i % 16;
-            const uint8_t byte = qs[(j / 4) * 64 + r * 4 + j % 4];
-            q = i < 16 ? (byte & 0x0F) : (byte >> 4);
-          }
-          dot += q * xb[i];
-        }
+        for (int64_t i = 0; i < kBlock; ++i) dot += quant(F, qs, r, i) * xb[i];
         const float dx = x.dx[n * x.blocks + b];
         const int32_t sx = x.sx[n * x.blocks + b];
-        const int32_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);
-        acc = std::fma(static_cast<float>(dot - offset * sx), half_to_float(dh) * dx, acc);
-        if (F == kQ4_1) acc = std::fma(half_to_float(mh), dx * static_cast<float>(sx), acc);
+        acc = std::fma(static_cast<float>(dot - offset * sx), d * dx, acc);
+        if (has_min(F)) acc = std::fma(m, dx * static_cast<float>(sx), acc);
       }
       out[t * kGroupRows + r] = acc;
     }
@@ -219,7 +271,7 @@ void run(int64_t format, const T* xp, int64_t n_rows, int64_t in, const uint8_t*
   if (n_rows < 16) quantize(0, n_rows);  // waking the threads costs more than these rows
   else at::parallel_for(0, n_rows, 1, quantize);
   const Rows rows{xq.data(), dx.data(), sx.data(), in, blocks};
-  const int64_t group_bytes = blocks * block_stride(format);
+  const int64_t stride = group_bytes(format, blocks);
   // chunks of 4 groups (64 rows of W, 24-35 KiB at 576 inputs) stay in L1/L2 while x's rows pass
   constexpr int64_t kGroupsPerChunk = 4;
   at::parallel_for(0, (groups + kGroupsPerChunk - 1) / kGroupsPerChunk, 1, [&](int64_t begin, int64_t end) {
@@ -229,10 +281,11 @@ void run(int64_t format, const T* xp, int64_t n_rows, int64_t in, const uint8_t*
       for (int64_t n0 = 0; n0 < n_rows; n0 += kXTile) {
         const int64_t nt = std::min(kXTile, n_rows - n0);
         for (int64_t g = g0; g < g1; ++g) {
-          const uint8_t* wg = w + g * group_bytes;
+          const uint8_t* wg = w + g * stride;
           switch (format) {
             case kQ4_0: tile<kQ4_0>(rows, n0, nt, wg, buf); break;
             case kQ4_1: tile<kQ4_1>(rows, n0, nt, wg, buf); break;
+            case kQ4_K: tile<kQ4_K>(rows, n0, nt, wg, buf); break;
             default: tile<kQ8_0>(rows, n0, nt, wg, buf);
           }
           const int64_t nr = std::min(kGroupRows, out - g * kGroupRows);  // rows past `out` are padding
@@ -265,12 +318,13 @@ void dispatch_out(int64_t format, const at::Tensor& x, const at::Tensor& w, cons
 // above; y [N, out] in x's dtype, or float32 with float_out
 at::Tensor block_linear(at::Tensor x, at::Tensor w, int64_t format, c10::optional<at::Tensor> bias,
                         int64_t out_features, bool float_out) {
-  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "block_linear: format 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  TORCH_CHECK(valid_format(format), "block_linear: format 0 (Q4_0), 1 (Q4_1), 2 (Q8_0) or 3 (Q4_K)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "block_linear: x [N, in], in a multiple of 32");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "block_linear: x float32 or bfloat16");
   const int64_t blocks = x.size(1) / kBlock;
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.size(1) == blocks * block_stride(format) && out_features <= w.size(0) * kGroupRows &&
+                  (format != kQ4_K || blocks % kSuperBlocks == 0) && w.size(1) == group_bytes(format, blocks) &&
+                  out_features <= w.size(0) * kGroupRows &&
                   w.size(0) * kGroupRows - out_features < kGroupRows,
               "block_linear: w uint8 [ceil(out / 16), blocks * stride] for this format and x");
   const at::Tensor xc = x.contiguous();
@@ -285,37 +339,28 @@ at::Tensor block_linear(at::Tensor x, at::Tensor w, int64_t format, c10::optiona
 // rows `ids` of the weight, dequantized as llama.cpp dequantizes (d (q - 8), d q + m, d q in float32),
 // in `dtype`: an embedding's lookup in its LM head's blocks
 at::Tensor block_rows(at::Tensor w, int64_t format, at::Tensor ids, int64_t cols, at::ScalarType dtype) {
-  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "block_rows: format 0, 1 or 2");
-  TORCH_CHECK(cols % kBlock == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.size(1) == cols / kBlock * block_stride(format), "block_rows: w does not match cols");
+  TORCH_CHECK(valid_format(format), "block_rows: format 0, 1, 2 or 3");
+  const int64_t blocks = cols / kBlock;
+  TORCH_CHECK(cols % kBlock == 0 && (format != kQ4_K || blocks % kSuperBlocks == 0) && w.dim() == 2 &&
+                  w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == group_bytes(format, blocks),
+              "block_rows: w does not match cols");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "block_rows: ids int64 [T]");
   const at::Tensor idc = ids.contiguous();
-  const int64_t n = idc.size(0), blocks = cols / kBlock, stride = block_stride(format), rows = w.size(0) * kGroupRows;
+  const int64_t n = idc.size(0), rows = w.size(0) * kGroupRows;
   const int64_t* id = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < rows, "block_rows: id out of range");
   at::Tensor out = at::empty({n, cols}, at::kFloat);
   float* o = out.data_ptr<float>();
-  const uint8_t* base = w.data_ptr<uint8_t>();
   for (int64_t t = 0; t < n; ++t) {
     const int64_t r = id[t] % kGroupRows;
-    const uint8_t* group = base + id[t] / kGroupRows * w.size(1);
+    const uint8_t* wg = w.data_ptr<uint8_t>() + id[t] / kGroupRows * w.size(1);
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* p = group + b * stride;
-      uint16_t dh, mh = 0;
-      std::memcpy(&dh, p + 2 * r, 2);
-      if (format == kQ4_1) std::memcpy(&mh, p + 32 + 2 * r, 2);
-      const float d = half_to_float(dh), m = half_to_float(mh);
-      const uint8_t* qs = p + scale_bytes(format);
+      float d, m;
+      const uint8_t* qs = block_scalars(format, wg, b, r, d, m);
       float* ob = o + t * cols + b * kBlock;
       for (int64_t i = 0; i < kBlock; ++i) {
-        if (format == kQ8_0) {
-          ob[i] = static_cast<float>(static_cast<int32_t>(qs[(i / 4) * 64 + r * 4 + i % 4]) - 128) * d;
-        } else {
-          const int64_t j = i % 16;
-          const uint8_t byte = qs[(j / 4) * 64 + r * 4 + j % 4];
-          const float q = static_cast<float>(i < 16 ? (byte & 0x0F) : (byte >> 4));
-          ob[i] = format == kQ4_0 ? (q - 8.f) * d : q * d + m;
-        }
+        const float q = static_cast<float>(quant(format, qs, r, i));
+        ob[i] = format == kQ4_0 ? (q - 8.f) * d : (format == kQ8_0 ? (q - 128.f) * d : q * d + m);
       }
     }
   }
