@@ -167,6 +167,21 @@ class BlockWeight:
         return self.rows_kernel(self.data, self.format, ids, self.in_features, self.dtype)
 
 
+class ConcatBlockWeight:
+    """A fused weight whose shards came in different formats (llama.cpp's _M files keep attn_v in
+    another type than attn_q and attn_k): one BlockWeight a shard, their outputs side by side."""
+
+    fuses_silu_mul = False
+
+    def __init__(self, parts: list[BlockWeight]):
+        self.parts = parts
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.cat([p.linear(x, None) for p in self.parts], dim=-1)
+        return y if bias is None else y + bias
+
+
 def kernels_available() -> bool:
     """Whether GGUF blocks can be kept (the native kernels built)."""
     return load_block_linear() is not None

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.layers.block_quant import BlockWeight, RawBlocks
+from shardserve.layers.block_quant import BlockWeight, ConcatBlockWeight, RawBlocks
 from shardserve.layers.cpu_kernels import load_panel_linear
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
 from shardserve.layers.quantization import Fp8Weight, Int8Weight
@@ -123,7 +123,7 @@ class Linear(nn.Module):
         self.input_slice = input_slice  # None: all columns
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_shard
-        self.packed: PackedWeight | Fp8Weight | Int8Weight | BlockWeight | None = None
+        self.packed: PackedWeight | Fp8Weight | Int8Weight | BlockWeight | ConcatBlockWeight | None = None
         self.keep_blocks = False  # `--quantization gguf`: keep a checkpoint's blocks (see _load_shard)
         self._blocks: dict[int, RawBlocks] = {}  # shard -> its blocks, until prepack
         self.bias = None
@@ -167,11 +167,13 @@ class Linear(nn.Module):
         blocks, self._blocks = self._blocks, {}
         if blocks:
             parts = [blocks.get(i) for i in range(len(self.output_sizes))]
-            if all(p is not None and p.qtype == parts[0].qtype for p in parts):
-                self.packed = BlockWeight(RawBlocks.cat_rows(parts))
+            if all(p is not None for p in parts):
+                same = all(p.qtype == parts[0].qtype for p in parts)
+                self.packed = (BlockWeight(RawBlocks.cat_rows(parts)) if same
+                               else ConcatBlockWeight([BlockWeight(p) for p in parts]))
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)
                 return
-            for i, part in blocks.items():  # shards in different formats: one matmul, in the model dtype
+            for i, part in blocks.items():  # a shard stored in float: one matmul, in the model dtype
                 start = sum(self.output_sizes[:i])
                 self.weight.data[start: start + self.output_sizes[i]] = part.dequantize().to(self.weight.dtype)
         quantized = {"fp8": Fp8Weight, "int8": Int8Weight}.get(quantization)

@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 
 from shardserve.layers.cpu_kernels import load_add_rms_norm, load_silu_mul
-from shardserve.layers.block_quant import BlockWeight
+from shardserve.layers.block_quant import BlockWeight, ConcatBlockWeight
 from shardserve.layers.linear import PackedWeight
 from shardserve.layers.quantization import Int8Weight
 
-CpuWeight = PackedWeight | Int8Weight | BlockWeight  # a weight whose `linear` is a native CPU kernel
+CpuWeight = PackedWeight | Int8Weight | BlockWeight | ConcatBlockWeight  # `linear` on native CPU kernels
 
 
 @dataclass

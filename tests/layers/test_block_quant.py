@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from shardserve.config import ConfigError
-from shardserve.layers.block_quant import BlockWeight, RawBlocks, block_linear_reference
+from shardserve.layers.block_quant import BlockWeight, ConcatBlockWeight, RawBlocks, block_linear_reference
 from shardserve.layers.cpu_kernels import load_block_linear
 from shardserve.layers.linear import Linear, PackedWeight
 from shardserve.llm import LLM
@@ -147,18 +147,21 @@ def test_an_engine_on_gguf_blocks_stays_near_the_dequantized_file_and_is_batch_i
 
 
 @needs_kernels
-def test_shards_in_different_formats_fall_back_to_one_float_matmul(tmp_path):
-    # llama.cpp's mixed files (Q4_K_M keeps attn_v in Q6_K): a fused qkv of several formats
-    path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0 if "attn_v" in name else QType.Q4_0)
+def test_shards_in_different_formats_keep_their_blocks_side_by_side(tmp_path):
+    # llama.cpp's mixed files (Q4_K_M keeps attn_v in Q6_K); and a shard stored in float
+    path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0 if "attn_v" in name else (None if "ffn_up" in name else QType.Q4_0))
     kwargs = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False,
                   skip_tokenizer_init=True)
     llm = LLM(str(path), quantization="gguf", **kwargs)
-    attn = llm.engine.runner.model.layers[0].self_attn
-    assert isinstance(attn.o_proj.packed, BlockWeight) and not isinstance(attn.qkv_proj.packed, BlockWeight)
-    plain = LLM(str(path), **kwargs)
+    layer = llm.engine.runner.model.layers[0]
+    qkv, gate_up = layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed
+    assert isinstance(qkv, ConcatBlockWeight) and [p.qtype for p in qkv.parts] == [QType.Q4_0, QType.Q4_0, QType.Q8_0]
+    assert isinstance(gate_up, PackedWeight)  # ffn_gate's blocks dequantized beside ffn_up's floats
+    assert llm.engine.runner.model.flat_layers is not None  # still the flat loop
     ids = list(range(3, 20))
-    # the qkv matmul is the dequantized file's: only the other layers' activation rounding differs
-    assert relative_error(engine_logits(llm.engine, ids, 100), engine_logits(plain.engine, ids, 100)) < 0.1
+    logits = engine_logits(llm.engine, ids, 100)
+    assert torch.equal(logits, engine_logits(llm.engine, ids, 1))
+    assert relative_error(logits, engine_logits(LLM(str(path), **kwargs).engine, ids, 100)) < 0.1
 
 
 def test_gguf_quantization_needs_a_gguf_checkpoint(tmp_path):
