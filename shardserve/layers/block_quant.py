@@ -1,4 +1,4 @@
-"""Weights kept in llama.cpp's block formats (`--quantization gguf`): Q4_0, Q4_1, Q8_0 and Q4_K tensors
+"""Weights kept in llama.cpp's block formats (`--quantization gguf`): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors
 of a GGUF file stay in their blocks, exactly as the file has them, repacked for csrc/block_linear.cpp.
 
 A decode step reads every weight once, so its time is the weights' bytes over memory bandwidth:
@@ -8,7 +8,7 @@ for its dot products (Q8_0: scale max|x| / 127, round to nearest), and every blo
 exact int32 sum (AVX512-VNNI), scaled once.
 
 Q4_K keeps its 4-bit quants and 6-bit scales and mins as they are (a block's scale is formed in
-the kernel), so every format holds about its file's bytes. The kernel's layout puts 16 output rows
+the kernel), Q6_K its 6-bit quants and 8-bit scales, so every format holds about its file's bytes. The kernel's layout puts 16 output rows
 side by side, block after block (see the kernel's header); `pack` builds it from GGUF rows,
 `BlockWeight` multiplies by it and reads rows back out (a tied embedding's lookup), and
 `block_linear_reference` is the arithmetic the tests compare the kernel against.
@@ -25,9 +25,9 @@ from shardserve.layers.cpu_kernels import load_block_linear
 
 BLOCK = 32  # inputs per block of the kernel
 GROUP_ROWS = 16
-SUPER_BLOCK = 256  # Q4_K's inputs per GGUF block
 # GGUF type -> (the kernel's format id, inputs of one GGUF block, its bytes)
-FORMATS = {QType.Q4_0: (0, 32, 18), QType.Q4_1: (1, 32, 20), QType.Q8_0: (2, 32, 34), QType.Q4_K: (3, 256, 144)}
+FORMATS = {QType.Q4_0: (0, 32, 18), QType.Q4_1: (1, 32, 20), QType.Q8_0: (2, 32, 34), QType.Q4_K: (3, 256, 144),
+           QType.Q6_K: (4, 256, 210)}
 KEPT_TYPES = frozenset(FORMATS)  # the types `--quantization gguf` keeps in blocks; others are dequantized
 
 
@@ -73,6 +73,8 @@ def pack(raw: RawBlocks) -> torch.Tensor:
     b = data.reshape(groups, GROUP_ROWS, blocks, nbytes).transpose(1, 2)  # [G, B, 16 rows, block]
     if raw.qtype == QType.Q4_K:
         return _pack_q4_k(b)
+    if raw.qtype == QType.Q6_K:
+        return _pack_q6_k(b)
     parts = [b[..., 0:2]]
     if raw.qtype == QType.Q8_0:
         qs = (b[..., 2:] ^ 0x80).reshape(groups, blocks, GROUP_ROWS, 8, 4)  # q + 128: unsigned for vpdpbusd
@@ -106,6 +108,28 @@ def _pack_q4_k(b: torch.Tensor) -> torch.Tensor:
     sm = torch.stack([scales, mins], dim=-1).permute(0, 1, 3, 4, 2).to(torch.uint8)  # [G, S, block, 2, 16 rows]
     parts = [b[..., 0:2].reshape(groups, supers, 32), b[..., 2:4].reshape(groups, supers, 32),
              sm.reshape(groups, supers, -1), quants.reshape(groups, supers, -1)]
+    return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
+
+
+def _pack_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks [G, S, 16 rows, 210 bytes] -> per 16 rows and super-block: d (fp16, 16),
+    the 16 int8 scales of each row's 16-input halves (half-major), then per block of 32 its low 4
+    bits paired as the 4-bit formats pair them and its high 2 bits in two 64-byte planes (lane L
+    of plane p: at bits 2k the high bits of register 4p + k's lane L)."""
+    groups, supers = b.shape[:2]
+    ql, qh = b[..., 0:128].reshape(groups, supers, GROUP_ROWS, 2, 64), b[..., 128:192].reshape(groups, supers, GROUP_ROWS, 2, 32)
+    quarters = [(ql[..., :32] & 15) | ((qh & 3) << 4), (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4),
+                (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
+    q = torch.stack(quarters, dim=-2).reshape(groups, supers, GROUP_ROWS, 8, 32)  # [.., row, block, input] 0..63
+    low, high = q & 15, q >> 4
+    paired = (low[..., :16] | (low[..., 16:] << 4)).reshape(groups, supers, GROUP_ROWS, 8, 4, 4)
+    low_regs = _registers(paired.permute(0, 1, 3, 2, 4, 5))  # [G, S, block, 256]
+    h = high.reshape(groups, supers, GROUP_ROWS, 8, 2, 4, 4)  # [.., row, block, plane, k, e]
+    planes = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)  # [.., row, block, plane, e]
+    high_regs = planes.permute(0, 1, 3, 4, 2, 5).reshape(groups, supers, 8, -1)  # [G, S, block, plane x row x e]
+    scales = b[..., 192:208].permute(0, 1, 3, 2).reshape(groups, supers, -1)  # [G, S, half-block x row]
+    parts = [b[..., 208:210].reshape(groups, supers, 32), scales,
+             torch.cat([low_regs, high_regs], dim=-1).reshape(groups, supers, -1)]
     return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
 
 

@@ -18,22 +18,25 @@ from tests.conftest import write_tiny_checkpoint
 from tests.engine_helpers import engine_logits, relative_error
 from tests.models.test_gguf_file import write_hf_model_as_gguf
 
-FORMATS = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K]
+FORMATS = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K]
+K_QUANTS = (QType.Q4_K, QType.Q6_K)
 needs_kernels = pytest.mark.skipif(load_block_linear() is None, reason="no native toolchain")
 
 
-def _q4_k(rows: int, cols: int) -> torch.Tensor:
-    """Random Q4_K super-blocks (the gguf package cannot quantize to K-quants): small positive d
-    and dmin, and every byte of the 6-bit scales and the quants random."""
-    blocks = torch.randint(0, 256, (rows, cols // 256, 144), dtype=torch.uint8)
-    halves = (torch.rand(rows, cols // 256, 2) * 0.01 + 1e-3).to(torch.float16)
-    blocks[..., 0:4] = halves.view(torch.uint8).reshape(rows, cols // 256, 4)
+def _k_quant(qtype: QType, rows: int, cols: int) -> torch.Tensor:
+    """Random K-quant super-blocks (the gguf package cannot quantize to them): every byte random
+    but the fp16 d (and dmin), small and positive."""
+    nbytes, halves_at = {QType.Q4_K: (144, 0), QType.Q6_K: (210, 208)}[qtype]
+    blocks = torch.randint(0, 256, (rows, cols // 256, nbytes), dtype=torch.uint8)
+    count = 2 if qtype == QType.Q4_K else 1
+    halves = (torch.rand(rows, cols // 256, count) * 0.01 + 1e-3).to(torch.float16)
+    blocks[..., halves_at:halves_at + 2 * count] = halves.view(torch.uint8).reshape(rows, cols // 256, 2 * count)
     return blocks.reshape(rows, -1)
 
 
 def _raw(weight: torch.Tensor, qtype: QType) -> RawBlocks:
-    if qtype == QType.Q4_K:
-        return RawBlocks(qtype, _q4_k(*weight.shape), weight.shape[1])
+    if qtype in K_QUANTS:
+        return RawBlocks(qtype, _k_quant(qtype, *weight.shape), weight.shape[1])
     return RawBlocks(qtype, torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype)), weight.shape[1])
 
 
@@ -48,7 +51,7 @@ def test_rows_read_back_from_the_packed_layout_are_llama_cpp_s_values(qtype):
     weight.dtype = torch.float32
     ids = torch.tensor([36, 0, 17, 17, 5])
     assert torch.equal(weight.rows(ids), reference[ids])  # every byte of every row, through the packing
-    size = 256 if qtype == QType.Q4_K else 32
+    size = 256 if qtype in K_QUANTS else 32
     assert raw.narrow_cols(size, size).dequantize().equal(reference[:, size:2 * size])
     assert raw.narrow_cols(size // 2, size) is None  # not on block boundaries
 
@@ -58,7 +61,7 @@ def test_rows_read_back_from_the_packed_layout_are_llama_cpp_s_values(qtype):
 @needs_kernels
 def test_kernel_is_the_block_arithmetic_and_the_same_in_any_batch(qtype, dtype):
     torch.manual_seed(1)
-    shapes = ((40, 256), (96, 768)) if qtype == QType.Q4_K else ((40, 64), (96, 576))
+    shapes = ((40, 256), (96, 768)) if qtype in K_QUANTS else ((40, 64), (96, 576))
     for out_features, in_features in shapes:
         weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
         raw = _raw(weight, qtype)
@@ -79,7 +82,7 @@ def test_kernel_is_the_block_arithmetic_and_the_same_in_any_batch(qtype, dtype):
         dequantized = raw.dequantize()
         bound = 0.02 if qtype == QType.Q8_0 else 0.15
         assert relative_error(blocks.linear(x.float(), None), x.float() @ dequantized.t()) < 0.02
-        if qtype != QType.Q4_K:  # random K-quant blocks stand for no weight in particular
+        if qtype not in K_QUANTS:  # random K-quant blocks stand for no weight in particular
             assert relative_error(blocks.linear(x.float(), None), x.float() @ weight.t()) < bound
 
 

@@ -4,6 +4,8 @@
 //
 //     Q4_0: w = d * (q - 8),  q in 0..15        Q4_1: w = d * q + m        Q8_0: w = d * q, q in -127..127
 //     Q4_K: w = (d * scale) * q - dmin * min: Q4_1's arithmetic once a block's d and m are formed
+//     Q6_K: w = (d * scale) * (q - 32), q in 0..63, a scale per 16 inputs: each half of a block
+//           scaled on its own (so x's blocks also carry the sums of their halves)
 //
 // Each row of x is quantized when it arrives as llama.cpp's dot products quantize it (per block of
 // 32: dx = max|x| / 127, xq = round(x / dx), and sx = the block's sum of xq), so a block's dot
@@ -40,8 +42,9 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroupRows = 16;
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3 };
-constexpr bool valid_format(int64_t f) { return f >= kQ4_0 && f <= kQ4_K; }
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ6_K = 4 };
+constexpr bool valid_format(int64_t f) { return f >= kQ4_0 && f <= kQ6_K; }
+constexpr bool is_k_quant(int64_t f) { return f == kQ4_K || f == kQ6_K; }
 
 constexpr int64_t qs_bytes(int64_t f) { return f == kQ8_0 ? 512 : 256; }
 constexpr int64_t scale_bytes(int64_t f) { return f == kQ4_1 ? 64 : 32; }
@@ -51,8 +54,15 @@ constexpr int64_t block_stride(int64_t f) { return qs_bytes(f) + scale_bytes(f);
 constexpr int64_t kSuperBlocks = 8;
 constexpr int64_t kSuperHead = 64 + kSuperBlocks * 32;
 constexpr int64_t kSuperBytes = kSuperHead + kSuperBlocks * 256;
+// Q6_K: the 16 rows' d (fp16), the 16 scales of 16 inputs (int8) of each row, then each block's
+// low 4 bits as the 4-bit formats have them and its high 2 bits (two registers' worth: byte lane L
+// of plane p holds, at bits 2k, those of register 4p + k's lane L)
+constexpr int64_t kQ6Head = 32 + 16 * 16;
+constexpr int64_t kQ6Block = 256 + 128;
+constexpr int64_t kQ6Bytes = kQ6Head + kSuperBlocks * kQ6Block;
 constexpr int64_t group_bytes(int64_t f, int64_t blocks) {
-  return f == kQ4_K ? blocks / kSuperBlocks * kSuperBytes : blocks * block_stride(f);
+  return f == kQ4_K ? blocks / kSuperBlocks * kSuperBytes
+                    : (f == kQ6_K ? blocks / kSuperBlocks * kQ6Bytes : blocks * block_stride(f));
 }
 constexpr bool has_min(int64_t f) { return f == kQ4_1 || f == kQ4_K; }
 
@@ -60,9 +70,18 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 
 // block b of a group: its quants, and row r's scale d and minimum m (m = 0 without one), as
 // w = d q + m (Q4_0, Q8_0: the offsets 8 and 128 come off q separately). Q4_K's d is d * scale and
-// its m is -(dmin * min): products exact in float32 (11 by 6 bits), llama.cpp's values
+// its m is -(dmin * min): products exact in float32 (11 by 6 bits), llama.cpp's values. Q6_K: d
+// and m are the scales of the block's two halves, d * scale (11 by 8 bits, exact)
 inline const uint8_t* block_scalars(int64_t f, const uint8_t* wg, int64_t b, int64_t r, float& d, float& m) {
   uint16_t h;
+  if (f == kQ6_K) {
+    const uint8_t* sp = wg + b / kSuperBlocks * kQ6Bytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(sp + 32) + b % kSuperBlocks * 32;
+    std::memcpy(&h, sp + 2 * r, 2);
+    d = half_to_float(h) * static_cast<float>(sc[r]);
+    m = half_to_float(h) * static_cast<float>(sc[16 + r]);
+    return sp + kQ6Head + b % kSuperBlocks * kQ6Block;
+  }
   if (f == kQ4_K) {
     const uint8_t* sp = wg + b / kSuperBlocks * kSuperBytes;
     const uint8_t* sm = sp + 64 + b % kSuperBlocks * 32;
@@ -83,7 +102,7 @@ inline const uint8_t* block_scalars(int64_t f, const uint8_t* wg, int64_t b, int
   return p + scale_bytes(f);
 }
 
-// x row [in] (float or bfloat16) -> xq [in] int8, dx [blocks], sx [blocks]
+// x row [in] (float or bfloat16) -> xq [in] int8, dx [blocks], sx [blocks][2] (each half's sum)
 template <typename T>
 void quantize_row(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t* sx) {
   for (int64_t b = 0; b < blocks; ++b) {
@@ -92,14 +111,15 @@ void quantize_row(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t* sx
     for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
     const float d = amax / 127.f;
     const float inv = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
+    int32_t sum[2] = {0, 0};
     for (int64_t i = 0; i < kBlock; ++i) {
       const int q = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(static_cast<float>(xb[i]) * inv))));
       xq[b * kBlock + i] = static_cast<int8_t>(q);
-      sum += q;
+      sum[i / 16] += q;
     }
     dx[b] = d;
-    sx[b] = sum;
+    sx[2 * b] = sum[0];
+    sx[2 * b + 1] = sum[1];
   }
 }
 
@@ -126,7 +146,8 @@ void quantize_row_vec(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), _mm512_cvtepi32_epi8(qhi));
     dx[b] = d;
-    sx[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    sx[2 * b] = _mm512_reduce_add_epi32(qlo);
+    sx[2 * b + 1] = _mm512_reduce_add_epi32(qhi);
   }
 }
 #endif
@@ -136,13 +157,16 @@ inline int32_t quant(int64_t f, const uint8_t* qs, int64_t r, int64_t i) {
   if (f == kQ8_0) return qs[(i / 4) * 64 + r * 4 + i % 4];
   const int64_t j = i % 16;
   const uint8_t byte = qs[(j / 4) * 64 + r * 4 + j % 4];
-  return i < 16 ? (byte & 0x0F) : (byte >> 4);
+  const int32_t low = i < 16 ? (byte & 0x0F) : (byte >> 4);
+  if (f != kQ6_K) return low;
+  const uint8_t high = qs[256 + (i / 16) * 64 + r * 4 + i % 4];
+  return low | (((high >> (2 * (j / 4))) & 3) << 4);
 }
 
 struct Rows {  // the quantized rows of x
   const int8_t* xq;   // [N][in]
   const float* dx;    // [N][blocks]
-  const int32_t* sx;  // [N][blocks]
+  const int32_t* sx;  // [N][blocks][2]
   int64_t in, blocks;
 };
 
@@ -156,9 +180,20 @@ inline __m512 load_bytes(const uint8_t* p) {
 }
 
 // block_scalars for the 16 rows at once
+inline __m512 load_signed_bytes(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 template <int64_t F>
 inline const uint8_t* block_vectors(const uint8_t* wg, int64_t b, __m512& d, __m512& m) {
-  if constexpr (F == kQ4_K) {
+  if constexpr (F == kQ6_K) {
+    const uint8_t* sp = wg + b / kSuperBlocks * kQ6Bytes;
+    const uint8_t* sc = sp + 32 + b % kSuperBlocks * 32;
+    const __m512 dh = load_halves(sp);
+    d = _mm512_mul_ps(dh, load_signed_bytes(sc));
+    m = _mm512_mul_ps(dh, load_signed_bytes(sc + 16));
+    return sp + kQ6Head + b % kSuperBlocks * kQ6Block;
+  } else if constexpr (F == kQ4_K) {
     const uint8_t* sp = wg + b / kSuperBlocks * kSuperBytes;
     const uint8_t* sm = sp + 64 + b % kSuperBlocks * 32;
     d = _mm512_mul_ps(load_halves(sp), load_bytes(sm));
@@ -190,6 +225,16 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
         w[k] = _mm512_and_si512(v, low);
         w[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
+      if constexpr (F == kQ6_K) {  // the high 2 bits, into bits 4-5 (16-bit shifts: the mask drops what crosses bytes)
+        const __m512i top = _mm512_set1_epi8(0x30);
+        for (int p = 0; p < 2; ++p) {
+          const __m512i h = _mm512_loadu_si512(qs + 256 + 64 * p);
+          w[4 * p + 0] = _mm512_or_si512(w[4 * p + 0], _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+          w[4 * p + 1] = _mm512_or_si512(w[4 * p + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+          w[4 * p + 2] = _mm512_or_si512(w[4 * p + 2], _mm512_and_si512(h, top));
+          w[4 * p + 3] = _mm512_or_si512(w[4 * p + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+        }
+      }
     }
     for (int t = 0; t < NT; ++t) {
       const int64_t n = n0 + t;
@@ -198,19 +243,29 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
       // register first)
       const float* xf = reinterpret_cast<const float*>(xb);
       auto xw = [xf](int j) { return _mm512_castps_si512(_mm512_set1_ps(xf[j])); };
+      // two chains, one a half of the block (inputs 0..15, 16..31)
       __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], xw(0));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], xw(1));
-      s0 = _mm512_dpbusd_epi32(s0, w[2], xw(2));
-      s1 = _mm512_dpbusd_epi32(s1, w[3], xw(3));
-      s0 = _mm512_dpbusd_epi32(s0, w[4], xw(4));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], xw(4));
+      s0 = _mm512_dpbusd_epi32(s0, w[1], xw(1));
       s1 = _mm512_dpbusd_epi32(s1, w[5], xw(5));
-      s0 = _mm512_dpbusd_epi32(s0, w[6], xw(6));
+      s0 = _mm512_dpbusd_epi32(s0, w[2], xw(2));
+      s1 = _mm512_dpbusd_epi32(s1, w[6], xw(6));
+      s0 = _mm512_dpbusd_epi32(s0, w[3], xw(3));
       s1 = _mm512_dpbusd_epi32(s1, w[7], xw(7));
-      __m512i s = _mm512_add_epi32(s0, s1);
       const float dx = x.dx[n * x.blocks + b];
-      const int32_t sx = x.sx[n * x.blocks + b];
+      const int32_t* sxh = x.sx + 2 * (n * x.blocks + b);
+      const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(dx));
+      if constexpr (F == kQ6_K) {
+        s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * sxh[0]));
+        s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * sxh[1]));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), ddx, acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(m, _mm512_set1_ps(dx)), acc[t]);
+        continue;
+      }
+      const int32_t sx = sxh[0] + sxh[1];
+      __m512i s = _mm512_add_epi32(s0, s1);
       if constexpr (offset != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * sx));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), ddx, acc[t]);
       if constexpr (has_min(F)) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(sx)), acc[t]);
     }
   }
@@ -229,11 +284,17 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
         float d, m;
         const uint8_t* qs = block_scalars(F, wg, b, r, d, m);
         const int8_t* xb = x.xq + n * x.in + b * kBlock;
-        int32_t dot = 0;
-        for (int64_t i = 0; i < kBlock; ++i) dot += quant(F, qs, r, i) * xb[i];
+        int32_t dot[2] = {0, 0};
+        for (int64_t i = 0; i < kBlock; ++i) dot[i / 16] += quant(F, qs, r, i) * xb[i];
         const float dx = x.dx[n * x.blocks + b];
-        const int32_t sx = x.sx[n * x.blocks + b];
-        acc = std::fma(static_cast<float>(dot - offset * sx), d * dx, acc);
+        const int32_t* sxh = x.sx + 2 * (n * x.blocks + b);
+        if (F == kQ6_K) {
+          acc = std::fma(static_cast<float>(dot[0] - 32 * sxh[0]), d * dx, acc);
+          acc = std::fma(static_cast<float>(dot[1] - 32 * sxh[1]), m * dx, acc);
+          continue;
+        }
+        const int32_t sx = sxh[0] + sxh[1];
+        acc = std::fma(static_cast<float>(dot[0] + dot[1] - offset * sx), d * dx, acc);
         if (has_min(F)) acc = std::fma(m, dx * static_cast<float>(sx), acc);
       }
       out[t * kGroupRows + r] = acc;
@@ -259,13 +320,13 @@ void run(int64_t format, const T* xp, int64_t n_rows, int64_t in, const uint8_t*
   const int64_t blocks = in / kBlock;
   std::vector<int8_t> xq(n_rows * in);
   std::vector<float> dx(n_rows * blocks);
-  std::vector<int32_t> sx(n_rows * blocks);
+  std::vector<int32_t> sx(n_rows * blocks * 2);
   auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
 #if defined(__AVX512F__)
-      quantize_row_vec(xp + n * in, blocks, xq.data() + n * in, dx.data() + n * blocks, sx.data() + n * blocks);
+      quantize_row_vec(xp + n * in, blocks, xq.data() + n * in, dx.data() + n * blocks, sx.data() + 2 * n * blocks);
 #else
-      quantize_row(xp + n * in, blocks, xq.data() + n * in, dx.data() + n * blocks, sx.data() + n * blocks);
+      quantize_row(xp + n * in, blocks, xq.data() + n * in, dx.data() + n * blocks, sx.data() + 2 * n * blocks);
 #endif
   };
   if (n_rows < 16) quantize(0, n_rows);  // waking the threads costs more than these rows
@@ -286,6 +347,7 @@ void run(int64_t format, const T* xp, int64_t n_rows, int64_t in, const uint8_t*
             case kQ4_0: tile<kQ4_0>(rows, n0, nt, wg, buf); break;
             case kQ4_1: tile<kQ4_1>(rows, n0, nt, wg, buf); break;
             case kQ4_K: tile<kQ4_K>(rows, n0, nt, wg, buf); break;
+            case kQ6_K: tile<kQ6_K>(rows, n0, nt, wg, buf); break;
             default: tile<kQ8_0>(rows, n0, nt, wg, buf);
           }
           const int64_t nr = std::min(kGroupRows, out - g * kGroupRows);  // rows past `out` are padding
@@ -318,12 +380,12 @@ void dispatch_out(int64_t format, const at::Tensor& x, const at::Tensor& w, cons
 // above; y [N, out] in x's dtype, or float32 with float_out
 at::Tensor block_linear(at::Tensor x, at::Tensor w, int64_t format, c10::optional<at::Tensor> bias,
                         int64_t out_features, bool float_out) {
-  TORCH_CHECK(valid_format(format), "block_linear: format 0 (Q4_0), 1 (Q4_1), 2 (Q8_0) or 3 (Q4_K)");
+  TORCH_CHECK(valid_format(format), "block_linear: format 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q4_K) or 4 (Q6_K)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "block_linear: x [N, in], in a multiple of 32");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "block_linear: x float32 or bfloat16");
   const int64_t blocks = x.size(1) / kBlock;
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  (format != kQ4_K || blocks % kSuperBlocks == 0) && w.size(1) == group_bytes(format, blocks) &&
+                  (!is_k_quant(format) || blocks % kSuperBlocks == 0) && w.size(1) == group_bytes(format, blocks) &&
                   out_features <= w.size(0) * kGroupRows &&
                   w.size(0) * kGroupRows - out_features < kGroupRows,
               "block_linear: w uint8 [ceil(out / 16), blocks * stride] for this format and x");
@@ -339,9 +401,9 @@ at::Tensor block_linear(at::Tensor x, at::Tensor w, int64_t format, c10::optiona
 // rows `ids` of the weight, dequantized as llama.cpp dequantizes (d (q - 8), d q + m, d q in float32),
 // in `dtype`: an embedding's lookup in its LM head's blocks
 at::Tensor block_rows(at::Tensor w, int64_t format, at::Tensor ids, int64_t cols, at::ScalarType dtype) {
-  TORCH_CHECK(valid_format(format), "block_rows: format 0, 1, 2 or 3");
+  TORCH_CHECK(valid_format(format), "block_rows: format 0 to 4");
   const int64_t blocks = cols / kBlock;
-  TORCH_CHECK(cols % kBlock == 0 && (format != kQ4_K || blocks % kSuperBlocks == 0) && w.dim() == 2 &&
+  TORCH_CHECK(cols % kBlock == 0 && (!is_k_quant(format) || blocks % kSuperBlocks == 0) && w.dim() == 2 &&
                   w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == group_bytes(format, blocks),
               "block_rows: w does not match cols");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "block_rows: ids int64 [T]");
@@ -360,7 +422,8 @@ at::Tensor block_rows(at::Tensor w, int64_t format, at::Tensor ids, int64_t cols
       float* ob = o + t * cols + b * kBlock;
       for (int64_t i = 0; i < kBlock; ++i) {
         const float q = static_cast<float>(quant(format, qs, r, i));
-        ob[i] = format == kQ4_0 ? (q - 8.f) * d : (format == kQ8_0 ? (q - 128.f) * d : q * d + m);
+        if (format == kQ6_K) ob[i] = (q - 32.f) * (i < 16 ? d : m);
+        else ob[i] = format == kQ4_0 ? (q - 8.f) * d : (format == kQ8_0 ? (q - 128.f) * d : q * d + m);
       }
     }
   }
