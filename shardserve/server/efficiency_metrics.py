@@ -114,29 +114,31 @@ class LiveEfficiency:
         return price * window_s / 3600 / tokens * 1e6
 
 
-def efficiency_config(engine_config, model_config, calibration_path: str | None = None,
-                      price_per_device_hour_usd: float | None = None) -> EfficiencyConfig:
-    """The replica's EfficiencyConfig. Peaks: the hardware a profiler calibration file recorded
-    (`shardserve profile`), else a quick probe of this host at startup (1024^3 matmuls and a
-    256 MiB copy, about 0.5 s on a 2-core CPU). The probe reads lower than the profiler's peaks
-    (which are raised to the best rates the engine reached), so without a calibration MFU can
-    read high, even above 1. Price: the flag, else the calibration's hardware entry, else 0 (a
-    measured host has no catalog price)."""
-    import dataclasses
-
+def replica_hardware(engine_config, calibration_path: str | None = None):
+    """The peaks the replica's efficiency is measured against: the hardware a profiler
+    calibration file recorded (`shardserve profile`), else a quick probe of this host (1024^3
+    matmuls and a 256 MiB copy, about 0.5 s on a 2-core CPU). The probe reads lower than the
+    profiler's peaks (which are raised to the best rates the engine reached), so without a
+    calibration MFU can read high, even above 1. The server probes before it loads the model:
+    the copy's 512 MiB of buffers then stay below the loaded replica's own peak of memory."""
     from shardserve.planner.efficiency import load_calibration
     from shardserve.planner.hardware import measure_this_host
 
-    hardware = None
     if calibration_path:
         calibration = load_calibration(calibration_path)
         for name in calibration.device_names:
             found = calibration.hardware_for(name)
             if found is not None and engine_config.dtype in found.peak_flop_s:
-                hardware = found
-                break
-    if hardware is None:
-        hardware = measure_this_host(engine_config.dtype, engine_config.device, matmul_size=1024)
+                return found
+    return measure_this_host(engine_config.dtype, engine_config.device, matmul_size=1024)
+
+
+def efficiency_config(engine_config, model_config, hardware,
+                      price_per_device_hour_usd: float | None = None) -> EfficiencyConfig:
+    """The replica's EfficiencyConfig against `hardware` (replica_hardware). Price: the flag, else
+    the hardware entry's, else 0 (a measured host has no catalog price)."""
+    import dataclasses
+
     price = hardware.price_per_hour_usd if price_per_device_hour_usd is None else price_per_device_hour_usd
     if price < 0:
         from shardserve.config import ConfigError

@@ -13,7 +13,7 @@ from shardserve.engine.launcher import build_engine
 from shardserve.server.api import build_app
 from shardserve.server.async_engine import AsyncEngine
 from shardserve.server.auth import AuthConfig, AuthMiddleware
-from shardserve.server.efficiency_metrics import efficiency_config
+from shardserve.server.efficiency_metrics import efficiency_config, replica_hardware
 from shardserve.server.limits import BodyLimitMiddleware
 from shardserve.server.metrics import ServerMetrics
 from shardserve.server.tool_calls import tool_format
@@ -25,11 +25,11 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth:
         tool_format(server_config.tool_call_parser)  # before minutes of loading, not after
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    hardware = replica_hardware(engine_config, server_config.calibration)  # before the model's memory is taken
     engine = build_engine(engine_config)
     engine.warm_up()  # before the port opens: /health answers only once the kernels have run
     model_name = server_config.served_model_name or engine_config.model
-    efficiency = efficiency_config(engine_config, engine.model_config, server_config.calibration,
-                                   server_config.device_price_per_hour_usd)
+    efficiency = efficiency_config(engine_config, engine.model_config, hardware, server_config.device_price_per_hour_usd)
     spec = engine_config.speculative
     metrics = ServerMetrics(model_name, efficiency, spec.num_speculative_tokens if spec else 0)
     async_engine = AsyncEngine(engine, server_config.max_waiting_requests, on_step=metrics.observe_step)
