@@ -249,12 +249,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
   const int64_t num_items = num_seqs * num_kv_heads;
-  int64_t total_keys = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) total_keys += len_ptr[i];
-  // waking a second thread costs ~4 us: more than it saves on under ~1k cached rows (batch 1,
-  // three kv heads, contexts under ~350 tokens: 12.6 us alone against 16.6 us on two threads)
-  const int64_t threads = total_keys * num_kv_heads < 1024 ? 1 : at::get_num_threads();
-  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(threads, num_items));
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::atomic<int64_t> next_item{0};
 #if defined(__AVX512F__)
   auto upcoming = [&](int64_t item) {
