@@ -23,13 +23,13 @@ K_QUANTS = (QType.Q4_K, QType.Q6_K)
 needs_kernels = pytest.mark.skipif(load_block_linear() is None, reason="no native toolchain")
 
 
-def _k_quant(qtype: QType, rows: int, cols: int) -> torch.Tensor:
+def _k_quant(qtype: QType, rows: int, cols: int, scale: float = 0.01) -> torch.Tensor:
     """Random K-quant super-blocks (the gguf package cannot quantize to them): every byte random
-    but the fp16 d (and dmin), small and positive."""
+    but the fp16 d (and dmin), positive, up to 1.1 `scale`."""
     nbytes, halves_at = {QType.Q4_K: (144, 0), QType.Q6_K: (210, 208)}[qtype]
     blocks = torch.randint(0, 256, (rows, cols // 256, nbytes), dtype=torch.uint8)
     count = 2 if qtype == QType.Q4_K else 1
-    halves = (torch.rand(rows, cols // 256, count) * 0.01 + 1e-3).to(torch.float16)
+    halves = ((torch.rand(rows, cols // 256, count) + 0.1) * scale).to(torch.float16)
     blocks[..., halves_at:halves_at + 2 * count] = halves.view(torch.uint8).reshape(rows, cols // 256, 2 * count)
     return blocks.reshape(rows, -1)
 
@@ -114,11 +114,11 @@ def _lazy_blocks(weight, qtype):
                       lambda: raw)
 
 
-def _tiny_gguf(tmp_path, qtypes):
+def _tiny_gguf(tmp_path, qtypes, hidden=64, intermediate=128):
     import transformers
 
     hf_config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=96, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
     torch.manual_seed(0)
     state_dict = transformers.LlamaForCausalLM(hf_config).state_dict()
@@ -128,7 +128,15 @@ def _tiny_gguf(tmp_path, qtypes):
     names = [f"blk.{i}.{t}.weight" for i in range(2) for t in
              ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")] + ["token_embd.weight"]
     return write_hf_model_as_gguf(tmp_path / "tiny.gguf", "llama", hf_config, state_dict,
-                                  qtypes={n: qtypes(n) for n in names})
+                                  qtypes={n: qtypes(n) for n in names}, quantize=_quantize)
+
+
+def _quantize(array, qtype):
+    """The gguf package's blocks; random ones for the K-quants, which it cannot make (scaled to
+    weights of ~0.1, as the other tensors of the tiny model)."""
+    if qtype in K_QUANTS:
+        return _k_quant(qtype, *array.shape, scale=1e-4).numpy()
+    return gguf.quants.quantize(array, qtype)
 
 
 @needs_kernels
@@ -147,6 +155,27 @@ def test_an_engine_on_gguf_blocks_stays_near_the_dequantized_file_and_is_batch_i
     bound = 0.05 if qtype == QType.Q8_0 else 0.1  # the activations' 8 bits (and bf16's own rounding)
     assert relative_error(logits[1].float(), engine_logits(plain.engine, ids, 1).float()) < bound
     assert torch.equal(logits[10**6], logits[1])  # a token's logits: the same in prefill and decode
+
+
+@needs_kernels
+def test_a_k_quant_engine_as_llama_cpp_s_mixed_files_have_it_stays_near_the_dequantized_file(tmp_path):
+    # Q4_K_M's mix: Q6_K for attn_v, ffn_down and the tied embedding, Q4_K for the rest
+    six = ("attn_v", "ffn_down", "token_embd")
+    path = _tiny_gguf(tmp_path, lambda name: QType.Q6_K if any(s in name for s in six) else QType.Q4_K,
+                      hidden=256, intermediate=512)
+    kwargs = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False,
+                  skip_tokenizer_init=True)
+    llm = LLM(str(path), quantization="gguf", **kwargs)
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    assert [p.qtype for p in layer.self_attn.qkv_proj.packed.parts] == [QType.Q4_K, QType.Q4_K, QType.Q6_K]
+    assert layer.mlp.down_proj.packed.qtype == QType.Q6_K and layer.mlp.gate_up_proj.packed.qtype == QType.Q4_K
+    assert model.lm_head.packed.qtype == QType.Q6_K and model.embed_tokens.shared is model.lm_head.packed
+    ids = list(range(3, 40))
+    logits = engine_logits(llm.engine, ids, 100)
+    assert torch.equal(logits, engine_logits(llm.engine, ids, 1))
+    # the activations' 8 bits (measured 0.011)
+    assert relative_error(logits, engine_logits(LLM(str(path), **kwargs).engine, ids, 100)) < 0.05
 
 
 @needs_kernels

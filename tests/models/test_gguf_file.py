@@ -248,9 +248,10 @@ def _llama_cpp_permute(weights, num_heads):
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_hf_model_as_gguf(path, arch, hf_config, state_dict, qtypes=None):
+def write_hf_model_as_gguf(path, arch, hf_config, state_dict, qtypes=None, quantize=gguf.quants.quantize):
     """The model as llama.cpp's converter writes it; `qtypes`: GGUF name -> block type to store
-    that tensor in (quantized with the gguf package, as llama-quantize does), others in float32."""
+    that tensor in (`quantize(array, qtype)`: the gguf package's, as llama-quantize does), others
+    in float32."""
     c = hf_config
     metadata = {
         f"{arch}.block_count": c.num_hidden_layers, f"{arch}.context_length": c.max_position_embeddings,
@@ -271,7 +272,7 @@ def write_hf_model_as_gguf(path, arch, hf_config, state_dict, qtypes=None):
             array = _llama_cpp_permute(array, c.num_key_value_heads)
         qtype = (qtypes or {}).get(_gguf_name(name))
         array = np.ascontiguousarray(array)
-        tensors[_gguf_name(name)] = (gguf.quants.quantize(array, qtype), qtype) if qtype else (array, None)
+        tensors[_gguf_name(name)] = (quantize(array, qtype), qtype) if qtype else (array, None)
     return write_gguf(path, arch, metadata, tensors)
 
 
