@@ -291,6 +291,10 @@ def serving_token_budget(on_cpu: bool) -> int:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+# EngineConfig.quantization: layers/quantization.py (fp8, int8), layers/block_quant.py (gguf)
+QUANTIZATION_METHODS = ("fp8", "int8", "gguf")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`): each decoding request may carry up to
@@ -310,8 +314,16 @@ class SpeculativeConfig:
     # "auto": speculate only when the measured acceptance and step costs say it pays;
     # "always": every step that has proposals (for tests and measurements)
     policy: str = "auto"
+    # the draft's weights (EngineConfig.quantization), e.g. "gguf": a quantized copy of the target
+    # as its own cheaper draft
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ConfigError(f"unknown draft quantization {self.quantization!r}; choose one of "
+                              f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.quantization is not None and self.model is None:
+            raise ConfigError("speculative `quantization` is the draft model's: it needs a draft `model`")
         if self.method is None:
             object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         if self.method not in SPECULATIVE_METHODS:
@@ -335,10 +347,6 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         return cls(**values)
-
-
-# EngineConfig.quantization: layers/quantization.py (fp8, int8), layers/block_quant.py (gguf)
-QUANTIZATION_METHODS = ("fp8", "int8", "gguf")
 
 
 @dataclass(frozen=True)

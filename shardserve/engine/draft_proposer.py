@@ -117,7 +117,8 @@ def load_draft(config: EngineConfig, target) -> DraftProposer:
     spec = config.speculative
     draft_config = EngineConfig(model=spec.model, dtype=config.dtype, device=config.device,
                                 max_model_len=target.max_model_len, show_progress=False,
-                                skip_tokenizer_init=True, cache=config.cache, deterministic=config.deterministic)
+                                skip_tokenizer_init=True, cache=config.cache, deterministic=config.deterministic,
+                                quantization=spec.quantization)
     draft = load_model(draft_config, kv_num_blocks=target.kv_cache.num_blocks)
     if draft.model_config.vocab_size != target.model_config.vocab_size:
         raise ConfigError(f"the draft model {spec.model!r} has a vocabulary of {draft.model_config.vocab_size} tokens, "

@@ -152,8 +152,33 @@ def test_a_different_draft_changes_no_token(tiny_checkpoints, family, draft):
         assert spec.engine.scheduler.num_preemptions > 0
 
 
+def test_a_gguf_target_drafted_by_its_own_blocks(tmp_path):
+    """The draft is the target's GGUF kept in its blocks (`quantization: gguf`), the target the
+    same file dequantized: the target's tokens, and most of the quantized copy's guesses hold."""
+    from gguf import GGMLQuantizationType as QType
+
+    from shardserve.layers.block_quant import kernels_available
+    from tests.layers.test_block_quant import _tiny_gguf
+
+    if not kernels_available():
+        pytest.skip("no native toolchain")
+    path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0)
+    batch = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 40, 41, 42, 43]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", skip_tokenizer_init=True)
+    expected = [o.outputs[0].token_ids for o in tiny_llm(path, **kwargs).generate(batch, params)]
+    spec = tiny_llm(path, draft_config(path, quantization="gguf"), **kwargs)
+    assert [o.outputs[0].token_ids for o in spec.generate(batch, params)] == expected
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens > 0
+
+
 def test_draft_model_errors(tiny_checkpoints):
     with pytest.raises(ConfigError, match="takes a draft `model`"):
         tiny_llm(tiny_checkpoints["llama"], {"method": "draft_model"})
+    with pytest.raises(ConfigError, match="speculative `quantization` is the draft model's"):
+        tiny_llm(tiny_checkpoints["llama"], {"method": "ngram", "quantization": "gguf"})
+    with pytest.raises(ConfigError, match="unknown draft quantization 'q3'"):
+        tiny_llm(tiny_checkpoints["llama"], draft_config(tiny_checkpoints["llama"], quantization="q3"))
     with pytest.raises(ConfigError, match="share the target's tokenizer"):
         tiny_llm(tiny_checkpoints["llama"], {"model": "smollm2"})
