@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from serving_levels import log, run_level, started, warm_up
-from shardserve.ports import free_port
+from serving_levels import log, run_level
 from shardserve.sim.workload import WorkloadConfig, build_workload
-from speculative import answers, delta, spec_counters
+from speculative import answers, delta, spec_counters, start_servers
 
 RESULTS = Path(__file__).parent / "results"
 TAG = "draft_speculation"
@@ -46,15 +44,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {level: {name: [] for name in configs} for level in LEVELS}
     counters: dict[str, dict] = {}
     with ExitStack() as stack:
-        servers = {}
-        for name, config in configs.items():
-            port = free_port()
-            cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
-                   "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
-            if config:
-                cmd += ["--speculative-config", json.dumps(config)]
-            servers[name] = stack.enter_context(started(TAG, name, cmd, port))
-            warm_up(servers[name], salt=7)
+        servers = start_servers(stack, configs, TAG)
         for level, (concurrency, num_requests) in LEVELS.items():
             before = spec_counters(servers["draft"])
             for round_ in range(args.rounds):

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from quantized_decode import FORMATS, gguf_file
+from quantized_decode import FORMATS
+from serving_levels import smollm2_gguf
 from shardserve.engine.interface import ScheduledSeq
 from shardserve.engine.sampler import SamplingState
 from shardserve.llm import LLM
@@ -131,19 +132,19 @@ def main() -> None:
     kwargs = dict(show_progress=False, kv_cache_memory_bytes=64 << 20, max_model_len=args.ctx)
     result: dict = {"text_sha256_16": digest, "ctx": args.ctx, "chunks": args.chunks}
 
-    bf16 = LLM(str(gguf_file("Q4_1", args.llama_bin_dir, args.cache_dir)), dtype="bfloat16", **kwargs)
+    bf16 = LLM(str(smollm2_gguf("Q4_1", args.llama_bin_dir, args.cache_dir)), dtype="bfloat16", **kwargs)
     tokens = bf16.engine.tokenizer.encode(text)
     if len(tokens) < args.ctx * args.chunks:
         sys.exit(f"the text has {len(tokens)} tokens, fewer than {args.chunks} chunks of {args.ctx}")
     reference = greedy(bf16)
     result["bf16_ppl"] = our_perplexity(bf16, tokens, args.ctx, args.chunks)
-    f32 = gguf_file("F32", args.llama_bin_dir, args.cache_dir)
+    f32 = smollm2_gguf("F32", args.llama_bin_dir, args.cache_dir)
     result["f32_ppl_llama_cpp"], _ = llama_perplexity(args.llama_bin_dir, f32, text_file, args.ctx, args.chunks)
     print(f"bf16 (dequantized Q4_1): ours {result['bf16_ppl']:.4f}; llama.cpp F32 {result['f32_ppl_llama_cpp']:.4f}", flush=True)
     del bf16
 
     for fmt in args.formats.split(","):
-        gguf = gguf_file(fmt, args.llama_bin_dir, args.cache_dir)
+        gguf = smollm2_gguf(fmt, args.llama_bin_dir, args.cache_dir)
         llm = LLM(str(gguf), quantization="gguf", **kwargs)
         key = fmt.lower()
         ours = our_perplexity(llm, tokens, args.ctx, args.chunks)

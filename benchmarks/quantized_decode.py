@@ -32,8 +32,7 @@ from pathlib import Path
 import torch
 
 from serve_vs_llamacpp import run_levels
-from serving_levels import log
-from shardserve.models.checkpoint import resolve_model_path
+from serving_levels import log, smollm2_gguf
 from shardserve.ports import free_port
 from shardserve.server.process import server_process
 
@@ -42,23 +41,6 @@ TAG = "quantized_decode"
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 KV_TOKENS = 32 * 512
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2: layers x (K, V) x KV heads x head dim x 2 bytes (bf16 / f16)
-
-
-def gguf_file(fmt: str, bin_dir: Path, cache_dir: Path) -> Path:
-    """The SmolLM2 GGUF in `fmt`: the embedded Q4_1 file, its exact F32 dequantization, or made
-    from that with `llama-quantize` (cached)."""
-    src = resolve_model_path("smollm2")
-    if fmt == "Q4_1":
-        return src
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    out = cache_dir / f"SmolLM2-135M-Instruct.{fmt}.gguf"
-    if not out.exists():
-        quantize = [str(bin_dir / "llama-quantize")]
-        source = [src] if fmt == "F32" else [gguf_file("F32", bin_dir, cache_dir)]
-        flags = ["--allow-requantize"] if fmt == "F32" else []
-        subprocess.run([*quantize, *flags, *map(str, source), str(out), fmt, "2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return out
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -130,7 +112,7 @@ def main() -> None:
     log(TAG, f"read bandwidth {bandwidth:.1f} GB/s; our runtime alone {runtime:.0f} MiB RSS")
     result: dict = {"read_bandwidth_gb_s": bandwidth, "runtime_rss_mib": runtime, "kv_budget_mib": kv_bytes / 2**20}
     for fmt in args.formats.split(","):
-        gguf = gguf_file(fmt, args.llama_bin_dir, args.cache_dir)
+        gguf = smollm2_gguf(fmt, args.llama_bin_dir, args.cache_dir)
         port = free_port()
         ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", str(gguf), "--quantization", "gguf",
                     "--port", str(port), "--kv-cache-memory", str(kv_bytes), "--max-model-len", "2048",

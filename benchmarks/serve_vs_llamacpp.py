@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from serving_levels import log, run_level, started, warm_up
-from shardserve.models.checkpoint import resolve_model_path
+from serving_levels import log, run_level, smollm2_gguf, started, warm_up
 from shardserve.ports import free_port
 from shardserve.sim.workload import WorkloadConfig
 
@@ -37,18 +35,6 @@ RESULTS = Path(__file__).parent / "results"
 
 TAG = "serve_vs_llamacpp"
 GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
-
-
-def dequantized_gguf(bin_dir: Path, cache_dir: Path, dtype: str) -> Path:
-    """The embedded Q4_1 GGUF requantized to BF16 or F32 (an exact dequantization), cached."""
-    gguf_type = GGUF_TYPES[dtype]
-    out = cache_dir / f"SmolLM2-135M-Instruct.{gguf_type}.gguf"
-    if not out.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        src = resolve_model_path("smollm2")
-        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(src), str(out), gguf_type, "2"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return out
 
 
 def run_levels(name: str, url: str, levels: list[tuple[int, int]], args, salt: int, extra_body: dict) -> dict:
@@ -78,7 +64,7 @@ def main() -> None:
     levels = list(zip(map(int, args.concurrency.split(",")), map(int, args.requests.split(","))))
     if not (args.llama_bin_dir / "llama-server").exists():
         sys.exit(f"llama-server not found in {args.llama_bin_dir} (see the module docstring to build it)")
-    gguf = dequantized_gguf(args.llama_bin_dir, args.cache_dir, args.dtype)
+    gguf = smollm2_gguf(GGUF_TYPES[args.dtype], args.llama_bin_dir, args.cache_dir)  # exactly the embedded weights
 
     port = free_port()
     ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", args.dtype, "--port", str(port),

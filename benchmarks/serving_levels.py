@@ -2,11 +2,14 @@
 for the length of a block, and one closed-loop level driven by `shardserve bench`'s client."""
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from shardserve.bench.client import run_benchmark_sync
+from shardserve.models.checkpoint import resolve_model_path
 from shardserve.server.process import server_process
 from shardserve.sim.workload import WorkloadConfig, build_workload
 
@@ -41,3 +44,20 @@ def run_level(url: str, config: WorkloadConfig, concurrency: int, extra_body: di
         "ttft_p99_ms": result.ttft.p99_ms, "tpot_p50_ms": result.tpot.p50_ms, "e2e_p50_ms": result.e2e.p50_ms,
         "num_requests": config.num_requests, "output_tokens": result.total_output_tokens,
     }
+
+
+def smollm2_gguf(fmt: str, bin_dir: Path, cache_dir: Path) -> Path:
+    """The embedded SmolLM2 GGUF (Q4_1) in llama.cpp type `fmt`: the file itself, its exact
+    dequantization (F32, BF16), or another type made from the F32 with `llama-quantize` (cached)."""
+    src = resolve_model_path("smollm2")
+    if fmt == "Q4_1":
+        return src
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = cache_dir / f"SmolLM2-135M-Instruct.{fmt}.gguf"
+    if not out.exists():
+        dequantized = fmt in ("F32", "BF16")
+        source = src if dequantized else smollm2_gguf("F32", bin_dir, cache_dir)
+        flags = ["--allow-requantize"] if dequantized else []
+        subprocess.run([str(bin_dir / "llama-quantize"), *flags, str(source), str(out), fmt, "2"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out

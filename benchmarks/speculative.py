@@ -109,6 +109,21 @@ def reuse_level(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
             "tpot_p50_ms": result.tpot.p50_ms}
 
 
+def start_servers(stack: ExitStack, configs: dict[str, dict | None], tag: str) -> dict[str, str]:
+    """name -> base URL of a `shardserve serve` of the embedded model in bfloat16 with that
+    speculative config (None: none), loaded one at a time and warmed up; stopped with `stack`."""
+    servers = {}
+    for name, config in configs.items():
+        port = free_port()
+        cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
+               "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
+        if config:
+            cmd += ["--speculative-config", json.dumps(config)]
+        servers[name] = stack.enter_context(started(tag, name, cmd, port))
+        warm_up(servers[name], salt=7)
+    return servers
+
+
 def spec_counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     totals = dict.fromkeys(SPEC_METRICS, 0.0)
@@ -150,14 +165,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {block: {name: [] for name in SERVERS} for block in BLOCKS}
     spec: dict[str, dict[str, dict]] = {block: {} for block in BLOCKS}
     with ExitStack() as stack:
-        for name, config in SERVERS.items():
-            port = free_port()
-            cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
-                   "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
-            if config:
-                cmd += ["--speculative-config", json.dumps(config)]
-            servers[name] = stack.enter_context(started(TAG, name, cmd, port))
-            warm_up(servers[name], salt=7)
+        servers.update(start_servers(stack, SERVERS, TAG))
         prompts = [chat_prompt_ids(servers["off"], task) for task in reuse_tasks()]
         log(TAG, f"checking that {len(prompts)} greedy answers are the same with speculation on and off")
         expected = answers(servers["off"], prompts, args.max_tokens)
