@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fp8: the layers' linear weights in float8 with per-row scales, activations per "
                              "token (Hopper/Ada GPUs; on a CPU a reference path, for tests); int8: weight-only "
                              "int8 in blocks of 32 (llama.cpp's Q8_0), activations quantized per block (CPU, "
-                             "AVX512-VNNI); gguf: a .gguf checkpoint's Q4_0 / Q4_1 / Q8_0 tensors kept in their "
+                             "AVX512-VNNI); gguf: a .gguf checkpoint's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K tensors kept in their "
                              "blocks (CPU), other tensors dequantized to --dtype")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="GPU: no CUDA graphs; every decode step launches its kernels one by one")

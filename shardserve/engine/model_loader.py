@@ -72,6 +72,9 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_nu
     if config.quantization == "gguf":
         if checkpoint.format != "gguf":
             raise ConfigError(f"--quantization gguf needs a .gguf checkpoint; {checkpoint.path} is an HF folder")
+        if device.type != "cpu":
+            raise ConfigError("--quantization gguf runs on CPU kernels; on a GPU serve the GGUF without it "
+                              "(dequantized to --dtype) or use --quantization fp8")
         model.keep_checkpoint_blocks()
     model.load_weights(checkpoint.iter_lazy_tensors(show_progress=show_progress))
     model.prepack(config.quantization)

@@ -1,5 +1,6 @@
-"""Weights kept in llama.cpp's block formats (`--quantization gguf`): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors
-of a GGUF file stay in their blocks, exactly as the file has them, repacked for csrc/block_linear.cpp.
+"""Weights kept in llama.cpp's block formats (`--quantization gguf`): Q4_0, Q4_1, Q8_0, Q4_K and
+Q6_K tensors of a GGUF file stay in their blocks, exactly as the file has them, repacked for
+csrc/block_linear.cpp.
 
 A decode step reads every weight once, so its time is the weights' bytes over memory bandwidth:
 SmolLM2's Q4_1 file holds its linears in 0.625 bytes a weight, against 2 for the bfloat16 they
@@ -8,10 +9,11 @@ for its dot products (Q8_0: scale max|x| / 127, round to nearest), and every blo
 exact int32 sum (AVX512-VNNI), scaled once.
 
 Q4_K keeps its 4-bit quants and 6-bit scales and mins as they are (a block's scale is formed in
-the kernel), Q6_K its 6-bit quants and 8-bit scales, so every format holds about its file's bytes. The kernel's layout puts 16 output rows
-side by side, block after block (see the kernel's header); `pack` builds it from GGUF rows,
-`BlockWeight` multiplies by it and reads rows back out (a tied embedding's lookup), and
-`block_linear_reference` is the arithmetic the tests compare the kernel against.
+the kernel), Q6_K its 6-bit quants and 8-bit scales, so every format holds about its file's
+bytes. The kernel's layout puts 16 output rows side by side, block after block (see the kernel's
+header); `pack` builds it from GGUF rows, `BlockWeight` multiplies by it and reads rows back out
+(a tied embedding's lookup), and `block_linear_reference` is the arithmetic the tests compare the
+kernel against.
 """
 from __future__ import annotations
 

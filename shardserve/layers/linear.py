@@ -152,7 +152,7 @@ class Linear(nn.Module):
 
     def _slice_blocks(self, blocks: RawBlocks, shard_id: int | None) -> RawBlocks | None:
         """This layer's slice of a block-quantized checkpoint tensor, or None where the slice cuts
-        blocks (a row-parallel share not a multiple of 32 inputs)."""
+        blocks (a row-parallel share not a whole number of the format's blocks)."""
         if self.input_slice is not None:
             return blocks.narrow_cols(*self.input_slice)
         if self.row_starts is not None:

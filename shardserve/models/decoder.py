@@ -32,6 +32,7 @@ from shardserve.parallel.linear import MergedColumnParallelLinear, QKVParallelLi
 
 log = logging.getLogger(__name__)
 
+
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them with tp=1); the backend rotates,
     stores this step's keys and values, and attends."""

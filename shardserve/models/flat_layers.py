@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from shardserve.layers.cpu_kernels import load_add_rms_norm, load_silu_mul
 from shardserve.layers.block_quant import BlockWeight, ConcatBlockWeight
+from shardserve.layers.cpu_kernels import load_add_rms_norm, load_silu_mul
 from shardserve.layers.linear import PackedWeight
 from shardserve.layers.quantization import Int8Weight
 

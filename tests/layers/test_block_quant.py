@@ -196,7 +196,11 @@ def test_shards_in_different_formats_keep_their_blocks_side_by_side(tmp_path):
     assert relative_error(logits, engine_logits(LLM(str(path), **kwargs).engine, ids, 100)) < 0.1
 
 
-def test_gguf_quantization_needs_a_gguf_checkpoint(tmp_path):
+def test_gguf_quantization_needs_a_gguf_checkpoint_and_a_cpu(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "llama", "llama")
     with pytest.raises(ConfigError, match="--quantization gguf needs a .gguf checkpoint"):
         LLM(str(path), quantization="gguf", kv_cache_memory_bytes=16 << 20, show_progress=False)
+    gguf_path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0)
+    with pytest.raises(ConfigError, match="--quantization gguf runs on CPU kernels"):
+        LLM(str(gguf_path), quantization="gguf", device="meta", kv_cache_memory_bytes=16 << 20, show_progress=False,
+            skip_tokenizer_init=True)
