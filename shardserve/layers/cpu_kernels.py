@@ -15,7 +15,7 @@ _CSRC = Path(__file__).parent / "csrc"
 
 # every extension in csrc/
 EXTENSIONS = ("panel_linear", "fused_elementwise", "paged_decode_attention", "paged_prefill_attention", "argmax_rows",
-              "int8_linear", "block_linear")
+              "block_linear")
 
 
 def _read_cpuinfo() -> str:
@@ -134,13 +134,6 @@ def load_argmax_rows():
     gives (first index of the maximum, NaN the largest); or None."""
     module = _load("argmax_rows")
     return None if module is None else module.argmax_rows
-
-
-def load_int8_linear():
-    """`int8_linear(x [N, in], wq, scales, offsets, bias | None, out)` -> [N, out] in x's dtype, for
-    a weight packed as layers/quantization.py's Int8Weight holds it; or None."""
-    module = _load("int8_linear")
-    return None if module is None else module.int8_linear
 
 
 def load_block_linear():

@@ -24,7 +24,7 @@ from torch import nn
 from shardserve.layers.block_quant import BlockWeight, ConcatBlockWeight, RawBlocks
 from shardserve.layers.cpu_kernels import load_panel_linear
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
-from shardserve.layers.quantization import Fp8Weight, Int8Weight
+from shardserve.layers.quantization import Fp8Weight, int8_weight
 
 
 def default_weight_loader(param: torch.Tensor, tensor: "torch.Tensor | LazyTensor", shard_id=None) -> None:
@@ -123,7 +123,7 @@ class Linear(nn.Module):
         self.input_slice = input_slice  # None: all columns
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self._load_shard
-        self.packed: PackedWeight | Fp8Weight | Int8Weight | BlockWeight | ConcatBlockWeight | None = None
+        self.packed: PackedWeight | Fp8Weight | BlockWeight | ConcatBlockWeight | None = None
         self.keep_blocks = False  # `--quantization gguf`: keep a checkpoint's blocks (see _load_shard)
         self._blocks: dict[int, RawBlocks] = {}  # shard -> its blocks, until prepack
         self.bias = None
@@ -176,8 +176,10 @@ class Linear(nn.Module):
             for i, part in blocks.items():  # a shard stored in float: one matmul, in the model dtype
                 start = sum(self.output_sizes[:i])
                 self.weight.data[start: start + self.output_sizes[i]] = part.dequantize().to(self.weight.dtype)
-        quantized = {"fp8": Fp8Weight, "int8": Int8Weight}.get(quantization)
-        self.packed = quantized(self.weight) if quantized else prepack_weight(self.weight)
+        if quantization == "fp8":
+            self.packed = Fp8Weight(self.weight)
+        else:  # int8: Q8_0 blocks, where the layer can hold them
+            self.packed = (int8_weight(self.weight) if quantization == "int8" else None) or prepack_weight(self.weight)
         if self.packed is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 

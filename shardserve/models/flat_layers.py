@@ -8,7 +8,7 @@ answers are taken once, after prepacking, and each layer is a handful of direct 
 
 The loop is the same sequence of the same kernels as DecoderLayer.forward (the test compares the
 two bit for bit), for the layers it covers: dense MLP, no per-head q/k norm, no tensor
-parallelism, packed (or int8) weights and the fused norm. Anything else takes the module path.
+parallelism, packed (or block-quantized) weights and the fused norm. Anything else takes the module path.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import torch
 from shardserve.layers.block_quant import BlockWeight, ConcatBlockWeight
 from shardserve.layers.cpu_kernels import load_add_rms_norm, load_silu_mul
 from shardserve.layers.linear import PackedWeight
-from shardserve.layers.quantization import Int8Weight
 
-CpuWeight = PackedWeight | Int8Weight | BlockWeight | ConcatBlockWeight  # `linear` on native CPU kernels
+CpuWeight = PackedWeight | BlockWeight | ConcatBlockWeight  # a weight whose `linear` is a native CPU kernel
 
 
 @dataclass

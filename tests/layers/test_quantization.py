@@ -1,15 +1,17 @@
-"""fp8 and int8 weights: the quantization's error bound, the kernels against the same math done by
-hand, and engines with --quantization fp8 / int8 against the unquantized one."""
+"""fp8 and int8 weights: the quantization's error bound, the fp8 kernel against the same math done
+by hand (int8's kernel is the GGUF block kernel: tests/layers/test_block_quant.py), and engines
+with --quantization fp8 / int8 against the unquantized one."""
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
 from shardserve.config import ConfigError, EngineConfig
-from shardserve.layers.linear import Linear
-from shardserve.layers.cpu_kernels import load_int8_linear
-from shardserve.layers.quantization import (FP8_MAX, Fp8Weight, Int8Weight, int8_linear_reference, quantize_blocks,
-                                            quantize_rows)
+from shardserve.layers.block_quant import BlockWeight, kernels_available
+from shardserve.layers.linear import Linear, PackedWeight
+from shardserve.layers.quantization import FP8_MAX, Fp8Weight, int8_weight, quantize_rows
 from shardserve.llm import LLM
 from tests.conftest import write_tiny_checkpoint
 from tests.engine_helpers import engine_logits, relative_error
@@ -37,7 +39,7 @@ def test_the_scaled_matmul_is_the_product_of_the_dequantized_operands():
     assert relative_error(fp8.linear(x, None), x @ weight.t()) < 0.06  # and near the unquantized product
 
 
-@pytest.mark.parametrize("method,weight_class,bound", [("fp8", Fp8Weight, 0.05), ("int8", Int8Weight, 0.03)])
+@pytest.mark.parametrize("method,weight_class,bound", [("fp8", Fp8Weight, 0.05), ("int8", BlockWeight, 0.03)])
 def test_a_quantized_engine_quantizes_the_layers_but_not_the_head_and_stays_near_the_bf16_one(
         tmp_path, method, weight_class, bound):
     path = write_tiny_checkpoint(tmp_path / "llama", "llama", well_conditioned=True)
@@ -61,41 +63,22 @@ def test_an_unknown_quantization_is_refused():
         EngineConfig(quantization="int3")
 
 
-# --- int8 (Q8_0 blocks) -------------------------------------------------------------------------
-def test_int8_blocks_round_within_half_a_step_and_give_back_a_q8_0_tensor_exactly():
-    torch.manual_seed(2)
-    x = torch.randn(5, 70) * torch.tensor([1e-3, 1.0, 50.0, 0.0, 7.0])[:, None]  # a zero row; 70 = 2 blocks + 6
-    q, scale = quantize_blocks(x)
-    assert q.shape == (5, 96) and scale.shape == (5, 3) and torch.all(q[:, 70:] == 0) and torch.all(scale[3] == 0)
-    step = scale.repeat_interleave(32, dim=1)[:, :70]
-    assert torch.all((q[:, :70].float() * step - x).abs() <= step / 2 + 1e-7 * x.abs())
-    # llama.cpp's own Q8_0 of a weight, dequantized to float32 as the GGUF loader does, quantizes
-    # back to the file's blocks: the same int8 values and the same (float16) scales
-    import gguf
-    import numpy as np
-    w = (torch.randn(8, 64) * 0.1).numpy()
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)  # [8, 2 blocks x 34 bytes]
-    blocks = raw.reshape(8, 2, 34)
-    file_scales = blocks[..., :2].copy().view(np.float16).astype(np.float32).reshape(8, 2)
-    file_q = blocks[..., 2:].copy().view(np.int8).reshape(8, 64)
-    q, scale = quantize_blocks(torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)))
-    assert torch.equal(q, torch.from_numpy(file_q)) and torch.equal(scale, torch.from_numpy(file_scales))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_kernel_is_the_block_arithmetic_and_the_same_in_any_batch(dtype):
-    if load_int8_linear() is None:
+# --- int8 (Q8_0 blocks for the block kernel) ------------------------------------------------------
+def test_int8_is_llama_cpp_s_q8_0_of_the_weight_and_a_ragged_layer_stays_float():
+    if not kernels_available():
         pytest.skip("no native toolchain")
-    torch.manual_seed(3)
-    for out_features, in_features in ((48, 70), (96, 576)):  # a ragged last block; two blocks a dot
-        weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
-        int8 = Int8Weight(weight)
-        x = torch.randn(37, in_features).to(dtype)  # 9 tiles of 4 rows and one of 1
-        y = int8.linear(x, bias)
-        expected = int8_linear_reference(x, *int8.blocks())[:, :out_features] + bias.double()
-        assert y.dtype == dtype
-        tol = 1e-5 if dtype == torch.float32 else 2**-7
-        torch.testing.assert_close(y.double(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
-        alone = torch.cat([int8.linear(x[i:i + 1], bias) for i in range(len(x))])
-        assert torch.equal(y, alone)
-        assert relative_error(int8.linear(x.float(), None), x.float() @ weight.t()) < 0.02
+    torch.manual_seed(2)
+    weight = torch.randn(40, 96) * torch.tensor([1e-2, 1.0, 50.0, 0.0] * 10)[:, None]  # zero rows; fp16-normal scales
+    int8 = int8_weight(weight)
+    assert isinstance(int8, BlockWeight) and int8.qtype == QType.Q8_0
+    int8.dtype = torch.float32
+    values = int8.rows(torch.arange(40))
+    expected = gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), QType.Q8_0), QType.Q8_0)
+    assert torch.equal(values, torch.from_numpy(expected))  # llama-quantize's blocks, exactly
+    # within half a step, plus the fp16 rounding of the stored scale (2^-11 of it, times |q| <= 127)
+    step = weight.view(40, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert torch.all((values - weight).view(40, 3, 32).abs() <= step * (0.5 + 127 * 2**-11) + 1e-7)
+    ragged = Linear(70, [8], False, torch.float32)  # 70 inputs: not whole blocks
+    ragged.weight.data.normal_()
+    ragged.prepack("int8")
+    assert isinstance(ragged.packed, PackedWeight)
