@@ -41,6 +41,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # the runner may drop their state
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # a draft model's guesses to make after this step, per sampled request
+    num_draft_requests: int | None = None  # for how many sampled requests (None: all; a probe asks one)
 
     @property
     def is_empty(self) -> bool:

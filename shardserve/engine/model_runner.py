@@ -114,7 +114,8 @@ class ModelRunner:
         if not sched.num_draft_tokens:
             return {}
         blocks = {seq.req_id: seq.block_ids for seq in sched.seqs}
-        return self.draft.propose([DraftRequest(r, self.states[r].token_ids, blocks[r]) for r in sampled],
+        wanted = list(sampled)[:sched.num_draft_requests]
+        return self.draft.propose([DraftRequest(r, self.states[r].token_ids, blocks[r]) for r in wanted],
                                   sched.num_draft_tokens)
 
     def forward(self, inputs: "StepInputs", hidden_in: torch.Tensor | None = None) -> torch.Tensor:

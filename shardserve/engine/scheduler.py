@@ -94,6 +94,7 @@ class Scheduler:
         drafts = self._proposals()
         if self.speculator is not None:
             out.num_draft_tokens = self.speculator.num_draft_tokens
+            out.num_draft_requests = self.speculator.num_draft_requests
         budget, preempted = self._schedule_running(out, first, budget, drafts)
         if not preempted:
             num_admitted = len(out.new_requests)

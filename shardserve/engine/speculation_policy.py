@@ -52,6 +52,7 @@ class SpeculationPolicy:
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of decode steps
         self._steps_since_probe = probe_interval  # the first step with proposals may probe
         self._probed = False  # a probe ran and no decision has used its line yet
+        self._last_was_probe = False
         self._drafted = [0.0] * max_drafts  # decayed counts, per position: verifications that reached it
         self._accepted = [0.0] * max_drafts  # ... and in which it held (with all before it)
 
@@ -99,9 +100,15 @@ class SpeculationPolicy:
         slope = max(slope, 0.0)  # noise can tilt a flat line down; a row never saves time
         return StepCost(max(mean_s - slope * mean_t, 1e-9), slope)
 
+    @property
+    def probing(self) -> bool:
+        """Whether the last answer was a probe (one proposal tried while no cost line is known)."""
+        return self._last_was_probe
+
     def num_drafts(self, proposal_lengths: list[int]) -> int:
         """How many proposals each decoding request verifies this step (0: none); one entry per
         decoding request, its number of proposals (0 for a request that has none)."""
+        self._last_was_probe = False
         if not any(proposal_lengths):
             return 0
         batch = len(proposal_lengths)
@@ -109,7 +116,7 @@ class SpeculationPolicy:
         if cost is None:
             if self._steps_since_probe < self.probe_interval:
                 return 0
-            self._steps_since_probe, self._probed = 0, True
+            self._steps_since_probe, self._probed, self._last_was_probe = 0, True, True
             return 1
         reach = self.acceptance_rates()
         best_k, best_rate = 0, batch / cost.time(batch) * (1 + self.margin)

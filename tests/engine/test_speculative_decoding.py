@@ -182,3 +182,26 @@ def test_draft_model_errors(tiny_checkpoints):
         tiny_llm(tiny_checkpoints["llama"], draft_config(tiny_checkpoints["llama"], quantization="q3"))
     with pytest.raises(ConfigError, match="share the target's tokenizer"):
         tiny_llm(tiny_checkpoints["llama"], {"model": "smollm2"})
+
+
+def test_a_draft_probe_asks_for_one_request_s_guesses():
+    """A draft catches up on every token it skipped: the policy's probe (no cost line yet) asks it
+    for one request's guesses, not every request's (whole-context prefills of the draft on a busy
+    server); other answers ask for every request's."""
+    from shardserve.config import SpeculativeConfig
+    from shardserve.engine.speculator import Speculator
+    from shardserve.request import Request
+
+    speculator = Speculator(SpeculativeConfig(model="draft", num_speculative_tokens=3))
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(), seed=0) for i in range(4)]
+    decoding = [(r, 100) for r in requests]
+    assert speculator.propose(decoding, 4) == {}  # nothing guessed yet
+    assert speculator.policy.probing and (speculator.num_draft_tokens, speculator.num_draft_requests) == (1, 1)
+    speculator.keep_drafts({"r0": [7]})
+    assert speculator.propose(decoding, 4) == {}  # no line yet, no new probe: the guess is dropped
+    assert not speculator.policy.probing
+    assert (speculator.num_draft_tokens, speculator.num_draft_requests) == (0, None)
+    always = Speculator(SpeculativeConfig(model="draft", num_speculative_tokens=3, policy="always"))
+    always.keep_drafts({"r0": [7, 8, 9], "r2": [4, 5]})
+    assert always.propose(decoding, 4) == {"r0": [7, 8, 9], "r2": [4, 5]}
+    assert (always.num_draft_tokens, always.num_draft_requests) == (3, None)
