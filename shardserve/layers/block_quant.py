@@ -27,10 +27,10 @@ from shardserve.layers.cpu_kernels import load_block_linear
 
 BLOCK = 32  # inputs per block of the kernel
 GROUP_ROWS = 16
-# GGUF type -> (the kernel's format id, inputs of one GGUF block, its bytes)
+# GGUF type -> (the kernel's format id, inputs of one GGUF block, its bytes): the types
+# `--quantization gguf` keeps in blocks; others are dequantized
 FORMATS = {QType.Q4_0: (0, 32, 18), QType.Q4_1: (1, 32, 20), QType.Q8_0: (2, 32, 34), QType.Q4_K: (3, 256, 144),
            QType.Q6_K: (4, 256, 210)}
-KEPT_TYPES = frozenset(FORMATS)  # the types `--quantization gguf` keeps in blocks; others are dequantized
 
 
 @dataclass(frozen=True)
@@ -170,10 +170,6 @@ class BlockWeight:
         self.out_features, self.in_features = raw.data.shape[0], raw.cols
         self.data = pack(raw)
         self.dtype = torch.bfloat16  # of what `rows` returns; the model sets its own
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2:

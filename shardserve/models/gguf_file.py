@@ -30,7 +30,7 @@ from gguf import GGUFValueType as VType
 from tqdm import tqdm
 
 from shardserve.config import ConfigError, ModelConfig, RopeScaling
-from shardserve.layers.block_quant import KEPT_TYPES, RawBlocks
+from shardserve.layers.block_quant import FORMATS, RawBlocks
 from shardserve.layers.lazy_tensor import LazyTensor
 
 GGUF_MAGIC = b"GGUF"
@@ -155,7 +155,7 @@ class GGUFFile:
             return whole() if dim is None else whole().narrow(dim, start, stop - start)
 
         blocks = None
-        if QType(info.ggml_type) in KEPT_TYPES and len(info.shape) == 2:
+        if QType(info.ggml_type) in FORMATS and len(info.shape) == 2:
             def blocks() -> RawBlocks:
                 raw = RawBlocks(QType(info.ggml_type), _read_raw(self.path, info).reshape(info.shape[0], -1),
                                 info.shape[1])

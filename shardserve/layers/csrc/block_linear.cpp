@@ -36,6 +36,7 @@
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include "vector_math.h"
 #endif
 
 namespace {
@@ -68,38 +69,52 @@ constexpr bool has_min(int64_t f) { return f == kQ4_1 || f == kQ4_K; }
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-// block b of a group: its quants, and row r's scale d and minimum m (m = 0 without one), as
-// w = d q + m (Q4_0, Q8_0: the offsets 8 and 128 come off q separately). Q4_K's d is d * scale and
-// its m is -(dmin * min): products exact in float32 (11 by 6 bits), llama.cpp's values. Q6_K: d
-// and m are the scales of the block's two halves, d * scale (11 by 8 bits, exact)
-inline const uint8_t* block_scalars(int64_t f, const uint8_t* wg, int64_t b, int64_t r, float& d, float& m) {
-  uint16_t h;
+// Where block b of a group keeps its parts: the 16 rows' fp16 scales d, their fp16 minimums m
+// (Q4_1) or dmin (Q4_K), the byte scales (Q4_K: 16 scales then 16 mins, unsigned; Q6_K: the two
+// halves' 16 + 16, signed), and the quants. Absent parts are null.
+struct BlockParts {
+  const uint8_t* d;
+  const uint8_t* m;
+  const uint8_t* scales;
+  const uint8_t* qs;
+};
+
+inline BlockParts block_parts(int64_t f, const uint8_t* wg, int64_t b) {
   if (f == kQ6_K) {
     const uint8_t* sp = wg + b / kSuperBlocks * kQ6Bytes;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(sp + 32) + b % kSuperBlocks * 32;
-    std::memcpy(&h, sp + 2 * r, 2);
-    d = half_to_float(h) * static_cast<float>(sc[r]);
-    m = half_to_float(h) * static_cast<float>(sc[16 + r]);
-    return sp + kQ6Head + b % kSuperBlocks * kQ6Block;
+    return {sp, nullptr, sp + 32 + b % kSuperBlocks * 32, sp + kQ6Head + b % kSuperBlocks * kQ6Block};
   }
   if (f == kQ4_K) {
     const uint8_t* sp = wg + b / kSuperBlocks * kSuperBytes;
-    const uint8_t* sm = sp + 64 + b % kSuperBlocks * 32;
-    std::memcpy(&h, sp + 2 * r, 2);
-    d = half_to_float(h) * static_cast<float>(sm[r]);
-    std::memcpy(&h, sp + 32 + 2 * r, 2);
-    m = -(half_to_float(h) * static_cast<float>(sm[16 + r]));
-    return sp + kSuperHead + b % kSuperBlocks * 256;
+    return {sp, sp + 32, sp + 64 + b % kSuperBlocks * 32, sp + kSuperHead + b % kSuperBlocks * 256};
   }
   const uint8_t* p = wg + b * block_stride(f);
+  return {p, f == kQ4_1 ? p + 32 : nullptr, nullptr, p + scale_bytes(f)};
+}
+
+inline float half_at(const uint8_t* p, int64_t r) {
+  uint16_t h;
   std::memcpy(&h, p + 2 * r, 2);
-  d = half_to_float(h);
-  m = 0.f;
-  if (f == kQ4_1) {
-    std::memcpy(&h, p + 32 + 2 * r, 2);
-    m = half_to_float(h);
+  return half_to_float(h);
+}
+
+// row r's scale d and minimum m (0 without one) of block b, as w = d q + m (Q4_0, Q8_0: the
+// offsets 8 and 128 come off q separately); returns the block's quants. Q4_K's d is d * scale and
+// its m is -(dmin * min): products exact in float32 (11 by 6 bits), llama.cpp's values. Q6_K: d
+// and m are the scales of the block's two halves, d * scale (11 by 8 bits, exact)
+inline const uint8_t* block_scalars(int64_t f, const uint8_t* wg, int64_t b, int64_t r, float& d, float& m) {
+  const BlockParts parts = block_parts(f, wg, b);
+  d = half_at(parts.d, r);
+  m = f == kQ4_1 ? half_at(parts.m, r) : 0.f;
+  if (f == kQ4_K) {
+    m = -(half_at(parts.m, r) * static_cast<float>(parts.scales[16 + r]));
+    d *= static_cast<float>(parts.scales[r]);
+  } else if (f == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(parts.scales);
+    m = d * static_cast<float>(sc[16 + r]);
+    d *= static_cast<float>(sc[r]);
   }
-  return p + scale_bytes(f);
+  return parts.qs;
 }
 
 // x row [in] (float or bfloat16) -> xq [in] int8, dx [blocks], sx [blocks][2] (each half's sum)
@@ -124,19 +139,13 @@ void quantize_row(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t* sx
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16f(const c10::BFloat16* p) {  // bf16 -> f32: the bits shifted into the high half
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // quantize_row's arithmetic on 16 lanes: the same max, scale, products and rounding (to nearest
 // even), so the same bytes
 template <typename T>
 void quantize_row_vec(const T* x, int64_t blocks, int8_t* xq, float* dx, int32_t* sx) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 lo = load16f(x + b * kBlock), hi = load16f(x + b * kBlock + 16);
+    const __m512 lo = load16(x + b * kBlock), hi = load16(x + b * kBlock + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
     const float d = amax / 127.f;
     const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
@@ -171,42 +180,34 @@ struct Rows {  // the quantized rows of x
 };
 
 #if defined(__AVX512VNNI__)
-// y[n0 + t, 16 g + lane] for t < NT into out[t][16], without bias
 inline __m512 load_halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load_bytes(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-
-// block_scalars for the 16 rows at once
 inline __m512 load_signed_bytes(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// block_scalars for the 16 rows at once (the same products)
 template <int64_t F>
 inline const uint8_t* block_vectors(const uint8_t* wg, int64_t b, __m512& d, __m512& m) {
-  if constexpr (F == kQ6_K) {
-    const uint8_t* sp = wg + b / kSuperBlocks * kQ6Bytes;
-    const uint8_t* sc = sp + 32 + b % kSuperBlocks * 32;
-    const __m512 dh = load_halves(sp);
-    d = _mm512_mul_ps(dh, load_signed_bytes(sc));
-    m = _mm512_mul_ps(dh, load_signed_bytes(sc + 16));
-    return sp + kQ6Head + b % kSuperBlocks * kQ6Block;
-  } else if constexpr (F == kQ4_K) {
-    const uint8_t* sp = wg + b / kSuperBlocks * kSuperBytes;
-    const uint8_t* sm = sp + 64 + b % kSuperBlocks * 32;
-    d = _mm512_mul_ps(load_halves(sp), load_bytes(sm));
-    m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(load_halves(sp + 32), load_bytes(sm + 16)));
-    return sp + kSuperHead + b % kSuperBlocks * 256;
-  } else {
-    const uint8_t* p = wg + b * block_stride(F);
-    d = load_halves(p);
-    if constexpr (F == kQ4_1) m = load_halves(p + 32);
-    return p + scale_bytes(F);
+  const BlockParts parts = block_parts(F, wg, b);
+  d = load_halves(parts.d);
+  if constexpr (F == kQ4_1) m = load_halves(parts.m);
+  if constexpr (F == kQ4_K) {
+    m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(load_halves(parts.m), load_bytes(parts.scales + 16)));
+    d = _mm512_mul_ps(d, load_bytes(parts.scales));
   }
+  if constexpr (F == kQ6_K) {
+    m = _mm512_mul_ps(d, load_signed_bytes(parts.scales + 16));
+    d = _mm512_mul_ps(d, load_signed_bytes(parts.scales));
+  }
+  return parts.qs;
 }
 
+// y[n0 + t, 16 g + lane] for t < NT into out[t][16], without bias
 template <int64_t F, int NT>
 inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out) {
   __m512 acc[NT];
