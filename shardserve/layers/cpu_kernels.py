@@ -15,7 +15,7 @@ _CSRC = Path(__file__).parent / "csrc"
 
 # every extension in csrc/
 EXTENSIONS = ("panel_linear", "fused_elementwise", "paged_decode_attention", "paged_prefill_attention", "argmax_rows",
-              "block_linear")
+              "block_linear", "decode_stack")
 
 
 def _read_cpuinfo() -> str:
@@ -141,3 +141,15 @@ def load_block_linear():
     it (`block_linear(x [N, in], w, format, bias | None, out, float_out)` -> [N, out];
     `block_rows(w, format, ids, cols, dtype)` -> the rows dequantized), or None."""
     return _load("block_linear")
+
+
+def load_decode_stack():
+    """`decode_stack(x, tensors, ints, qkv_biases, kv_caches, cos, sin, slots, block_table,
+    context_lens, num_heads, head_dim, scale, eps)` -> (x, delta): a decode step's layer stack
+    through the kernels above, called from C++ (csrc/decode_stack.cpp says what the lists hold);
+    or None. It calls the other extensions' ops, so it is None unless they all load."""
+    needed = ("panel_linear", "fused_elementwise", "paged_decode_attention", "block_linear")
+    if any(_load(name) is None for name in needed):
+        return None
+    module = _load("decode_stack")
+    return None if module is None else module.decode_stack

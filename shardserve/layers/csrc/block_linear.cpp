@@ -29,6 +29,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -334,11 +335,16 @@ void run(int64_t format, const T* xp, int64_t n_rows, int64_t in, const uint8_t*
   else at::parallel_for(0, n_rows, 1, quantize);
   const Rows rows{xq.data(), dx.data(), sx.data(), in, blocks};
   const int64_t stride = group_bytes(format, blocks);
-  // chunks of 4 groups (64 rows of W, 24-35 KiB at 576 inputs) stay in L1/L2 while x's rows pass
+  // chunks of 4 groups (64 rows of W, 24-35 KiB at 576 inputs) stay in L1/L2 while x's rows pass.
+  // Each thread takes the next chunk not yet taken: a thread the OS preempts (an HTTP thread or
+  // a client on the same 2 cores) leaves its share to the others instead of holding the region
+  // up. A chunk's outputs do not depend on which thread computes it.
   constexpr int64_t kGroupsPerChunk = 4;
-  at::parallel_for(0, (groups + kGroupsPerChunk - 1) / kGroupsPerChunk, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunks = (groups + kGroupsPerChunk - 1) / kGroupsPerChunk;
+  std::atomic<int64_t> next_chunk{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
     float buf[kXTile * kGroupRows];
-    for (int64_t ch = begin; ch < end; ++ch) {
+    for (int64_t ch = next_chunk++; ch < chunks; ch = next_chunk++) {
       const int64_t g0 = ch * kGroupsPerChunk, g1 = std::min(groups, g0 + kGroupsPerChunk);
       for (int64_t n0 = 0; n0 < n_rows; n0 += kXTile) {
         const int64_t nt = std::min(kXTile, n_rows - n0);
