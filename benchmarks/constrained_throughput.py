@@ -89,7 +89,8 @@ def main() -> None:
     args = parser.parse_args()
     levels = list(zip(map(int, args.concurrency.split(",")), map(int, args.requests.split(","))))
     port = free_port()
-    cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", args.dtype, "--port", str(port),
+    cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", args.dtype, "--quantization", "none",
+           "--port", str(port),
            "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
     fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}}
     summary: dict = {"dtype": args.dtype, "levels": {}}

@@ -37,7 +37,7 @@ def main() -> None:
     with ExitStack() as stack:
         for salt, flag in enumerate(("--deterministic", "--no-deterministic"), start=1):
             port = free_port()
-            cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port",
+            cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--quantization", "none", "--port",
                    str(port), "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning",
                    flag]
             url = stack.enter_context(started(TAG, flag, cmd, port))

@@ -10,7 +10,7 @@ What it measures
     machine's measured matmul FLOP/s and copy bandwidth.
 
 Method
-    shardserve: `LLM("smollm2", dtype=..., kv_cache_memory_bytes=1 GiB, prefault_kv_cache=True)
+    shardserve: `LLM("smollm2", dtype=..., quantization="none", kv_cache_memory_bytes=1 GiB, prefault_kv_cache=True)
                 .generate(all prompts)`
     after a short warm-up; continuous batching decides the batches. Throughput = output tokens /
     wall time.
@@ -201,7 +201,7 @@ def shardserve_child(dtype: str, workloads: dict[str, Workload], settings: Setti
     start_s = time.perf_counter()
     # the pool committed at start-up, as `serve` does and vLLM's zero-filled cache is: first writes
     # to a fresh pool otherwise pay page faults inside the timed steps
-    llm = LLM("smollm2", dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES, prefault_kv_cache=True,
+    llm = LLM("smollm2", dtype=dtype, quantization="none", kv_cache_memory_bytes=KV_CACHE_BYTES, prefault_kv_cache=True,
               show_progress=False)
     result = {"load_s": time.perf_counter() - start_s, "rss_after_load_mib": peak_rss_mib()}
     for name, workload in workloads.items():

@@ -132,7 +132,7 @@ def main() -> None:
     kwargs = dict(show_progress=False, kv_cache_memory_bytes=64 << 20, max_model_len=args.ctx)
     result: dict = {"text_sha256_16": digest, "ctx": args.ctx, "chunks": args.chunks}
 
-    bf16 = LLM(str(smollm2_gguf("Q4_1", args.llama_bin_dir, args.cache_dir)), dtype="bfloat16", **kwargs)
+    bf16 = LLM(str(smollm2_gguf("Q4_1", args.llama_bin_dir, args.cache_dir)), dtype="bfloat16", quantization="none", **kwargs)
     tokens = bf16.engine.tokenizer.encode(text)
     if len(tokens) < args.ctx * args.chunks:
         sys.exit(f"the text has {len(tokens)} tokens, fewer than {args.chunks} chunks of {args.ctx}")

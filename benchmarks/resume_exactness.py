@@ -44,7 +44,7 @@ def main() -> None:
     identical: dict = {}
     start = time.perf_counter()
     for mode, settings in MODES.items():
-        llm = LLM("smollm2", dtype="bfloat16", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+        llm = LLM("smollm2", dtype="bfloat16", quantization="none", kv_cache_memory_bytes=256 << 20, max_model_len=1024,
                   show_progress=False, **settings)
         batch = prompts(llm)
         identical[mode] = {}

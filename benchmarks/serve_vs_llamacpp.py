@@ -67,7 +67,7 @@ def main() -> None:
     gguf = smollm2_gguf(GGUF_TYPES[args.dtype], args.llama_bin_dir, args.cache_dir)  # exactly the embedded weights
 
     port = free_port()
-    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", args.dtype, "--port", str(port),
+    ours_cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", args.dtype, "--quantization", "none", "--port", str(port),
                 "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
     with started(TAG, "shardserve", ours_cmd, port, startup_timeout_s=180) as url:
         ours = run_levels("shardserve", url, levels, args, salt=1, extra_body={})

@@ -68,7 +68,7 @@ class Calibrated:
 
 
 def calibrate(out_dir: Path, dtype: str) -> Path:
-    cmd = [sys.executable, "-m", "shardserve.cli", "profile", "smollm2", "--dtype", dtype, "--quick",
+    cmd = [sys.executable, "-m", "shardserve.cli", "profile", "smollm2", "--dtype", dtype, "--quantization", "none", "--quick",
            "--out", str(out_dir), "--no-progress"]
     print("calibrating: " + " ".join(cmd[2:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -327,7 +327,8 @@ def measure(calibration: Calibrated, rates: list[float] | None, num_requests: in
     from shardserve.server.process import server_process
 
     port = free_port()
-    cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", calibration.dtype, "--port", str(port),
+    cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", calibration.dtype, "--quantization", "none",
+           "--port", str(port),
            "--kv-cache-memory", str(KV_CACHE_BYTES), "--log-level", "warning"]
     with server_process(cmd, port) as (base_url, _):
         http_delay_s = probe_http_delay_s(base_url)

@@ -110,12 +110,13 @@ def reuse_level(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def start_servers(stack: ExitStack, configs: dict[str, dict | None], tag: str) -> dict[str, str]:
-    """name -> base URL of a `shardserve serve` of the embedded model in bfloat16 with that
+    """name -> base URL of a `shardserve serve` of the embedded model dequantized to bfloat16 with that
     speculative config (None: none), loaded one at a time and warmed up; stopped with `stack`."""
     servers = {}
     for name, config in configs.items():
         port = free_port()
-        cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--port", str(port),
+        cmd = [sys.executable, "-m", "shardserve.cli", "serve", "smollm2", "--dtype", "bfloat16", "--quantization", "none",
+               "--port", str(port),
                "--kv-cache-memory", str(1 << 30), "--max-model-len", "2048", "--log-level", "warning"]
         if config:
             cmd += ["--speculative-config", json.dumps(config)]

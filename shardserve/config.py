@@ -291,8 +291,9 @@ def serving_token_budget(on_cpu: bool) -> int:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
-# EngineConfig.quantization: layers/quantization.py (fp8, int8), layers/block_quant.py (gguf)
-QUANTIZATION_METHODS = ("fp8", "int8", "gguf")
+# EngineConfig.quantization: layers/quantization.py (fp8, int8), layers/block_quant.py (gguf), and
+# "none": a GGUF checkpoint's blocks dequantized to the dtype (None leaves it to the checkpoint)
+QUANTIZATION_METHODS = ("fp8", "int8", "gguf", "none")
 
 
 @dataclass(frozen=True)
@@ -372,8 +373,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # GPU: run every step eagerly, no CUDA graphs for decode steps (engine/cuda_graphs.py)
     enforce_eager: bool = False
-    # the layers' linear weights quantized after loading: None, "fp8" or "int8" (layers/quantization.py),
-    # or kept in a GGUF checkpoint's own blocks: "gguf" (layers/block_quant.py)
+    # the layers' linear weights quantized after loading: "fp8" or "int8" (layers/quantization.py),
+    # or kept in a GGUF checkpoint's own blocks: "gguf" (layers/block_quant.py), as a .gguf implies
+    # on a CPU when this is None (vLLM's rule; engine/model_loader.py's quantization_for); "none"
+    # dequantizes a GGUF to `dtype`
     quantization: str | None = None
     # kernels whose result for a token does not depend on its batch nor on whether prefill or
     # decode computed it (a resumed stream continues exactly); False also allows faster ones

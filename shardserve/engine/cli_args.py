@@ -39,7 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "token (Hopper/Ada GPUs; on a CPU a reference path, for tests); int8: weight-only "
                              "int8 in blocks of 32 (llama.cpp's Q8_0), activations quantized per block (CPU, "
                              "AVX512-VNNI); gguf: a .gguf checkpoint's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K tensors kept in their "
-                             "blocks (CPU), other tensors dequantized to --dtype")
+                             "blocks (CPU), other tensors dequantized to --dtype; implied by a .gguf on a CPU, as in "
+                             "vLLM (the embedded model is one); none: a .gguf dequantized to --dtype")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="GPU: no CUDA graphs; every decode step launches its kernels one by one")
     parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,

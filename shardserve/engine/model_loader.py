@@ -2,7 +2,6 @@
 its weights, and the KV-cache pool sized from the memory budget."""
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from shardserve.config import ConfigError, EngineConfig, ModelConfig
 from shardserve.dtypes import ENGINE_DTYPES
 from shardserve.engine.grammar import Grammars
+from shardserve.engine.heap import fix_mmap_threshold, return_freed_heap
 from shardserve.engine.kv_cache import KVCache, kv_budget_bytes
 from shardserve.layers.attention.backend import AttentionBackend, attention_backend
 from shardserve.layers.attention.paged_kv import KVShape
@@ -48,6 +48,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def quantization_for(requested: str | None, checkpoint_format: str, device: torch.device) -> str | None:
+    """What the layers' weights are kept in: `requested`, or for None what the checkpoint implies
+    (as vLLM reads a .gguf: its blocks, where the CPU kernels take them; GPUs dequantize); "none"
+    is the dtype itself."""
+    if requested is None and checkpoint_format == "gguf" and device.type == "cpu":
+        return "gguf"
+    return None if requested == "none" else requested
+
+
 def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_num_blocks: int | None = None) -> LoadedModel:
     """Load this rank's share of the model (all of it in a single process) and its KV cache.
     In a parallel replica every rank calls this; the ranks agree on one number of KV blocks.
@@ -65,11 +74,13 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_nu
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if device.type == "cpu":  # the native kernels, all at once, before the layers ask for them one by one
         build_all()
+        fix_mmap_threshold()  # before the checkpoint's large reads (engine/heap.py)
     attention = attention_backend(device, deterministic=config.deterministic)
     with torch.device(device):
         model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups, attention)
     show_progress = config.show_progress and groups.is_driver
-    if config.quantization == "gguf":
+    quantization = quantization_for(config.quantization, checkpoint.format, device)
+    if quantization == "gguf":
         if checkpoint.format != "gguf":
             raise ConfigError(f"--quantization gguf needs a .gguf checkpoint; {checkpoint.path} is an HF folder")
         if device.type != "cpu":
@@ -77,10 +88,10 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_nu
                               "(dequantized to --dtype) or use --quantization fp8")
         model.keep_checkpoint_blocks()
     model.load_weights(checkpoint.iter_lazy_tensors(show_progress=show_progress))
-    model.prepack(config.quantization)
+    model.prepack(quantization)
     model.eval()
     if device.type == "cpu":
-        _return_freed_heap()
+        return_freed_heap()
     if kv_num_blocks is None:
         kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
     else:
@@ -105,13 +116,3 @@ def _allocate_kv_cache(config: EngineConfig, shape: KVShape, max_model_len: int,
             f"the KV cache holds {num_blocks * block_size} tokens, less than one full context of "
             f"{max_model_len}; give it at least {need} bytes (--kv-cache-memory) or lower --max-model-len")
     return KVCache.allocate(shape, num_blocks, block_size, dtype, device, prefault=config.cache.prefault_kv_cache)
-
-
-def _return_freed_heap() -> None:
-    """Hand the loader's freed heap (checkpoint reads, the weights before prepacking) back to the
-    OS before the KV pool is committed on top of it: glibc keeps freed memory mapped (about 20 MiB
-    for SmolLM2, which a 1 GiB prefaulted pool's peak RSS otherwise carries)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

@@ -114,13 +114,19 @@ class LiveEfficiency:
         return price * window_s / 3600 / tokens * 1e6
 
 
+PROBE_COPY_BYTES = 64 * 2**20  # replica_hardware's copy
+
+
 def replica_hardware(engine_config, calibration_path: str | None = None):
     """The peaks the replica's efficiency is measured against: the hardware a profiler
     calibration file recorded (`shardserve profile`), else a quick probe of this host (1024^3
-    matmuls and a 256 MiB copy, about 0.5 s on a 2-core CPU). The probe reads lower than the
+    matmuls and a 64 MiB copy, about 0.2 s on a 2-core CPU). The probe reads lower than the
     profiler's peaks (which are raised to the best rates the engine reached), so without a
-    calibration MFU can read high, even above 1. The server probes before it loads the model:
-    the copy's 512 MiB of buffers then stay below the loaded replica's own peak of memory."""
+    calibration MFU can read high, even above 1. The server probes before it loads the model;
+    the copy still needs its source and destination at once, which a small replica's peak
+    memory carries (a 256 MiB copy made SmolLM2 Q4_1's server peak 861 MiB, 46 MiB above what
+    it holds serving). 64 MiB is twice this dev host's last-level cache; a CPU with a larger one
+    reads a higher bandwidth than its memory gives (a calibration file measures it properly)."""
     from shardserve.planner.efficiency import load_calibration
     from shardserve.planner.hardware import measure_this_host
 
@@ -130,7 +136,8 @@ def replica_hardware(engine_config, calibration_path: str | None = None):
             found = calibration.hardware_for(name)
             if found is not None and engine_config.dtype in found.peak_flop_s:
                 return found
-    return measure_this_host(engine_config.dtype, engine_config.device, matmul_size=1024)
+    return measure_this_host(engine_config.dtype, engine_config.device, matmul_size=1024,
+                             num_copy_bytes=PROBE_COPY_BYTES)
 
 
 def efficiency_config(engine_config, model_config, hardware,

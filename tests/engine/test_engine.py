@@ -2,6 +2,7 @@
 import pytest
 
 from shardserve import SamplingParams
+from shardserve.layers.block_quant import BlockWeight
 from shardserve.llm import LLM
 from shardserve.request import InvalidRequestError
 
@@ -9,6 +10,11 @@ from shardserve.request import InvalidRequestError
 @pytest.fixture(scope="module")
 def llm():
     return LLM("smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, show_progress=False)
+
+
+def test_the_embedded_gguf_is_served_from_its_blocks(llm):
+    # no --quantization: a .gguf on a CPU keeps its blocks (tests/models/test_smollm2.py: "none")
+    assert isinstance(llm.engine.executor.runner.model.lm_head.packed, BlockWeight)
 
 
 def test_seeded_request_resumes_exactly_from_its_first_k_tokens(llm):
@@ -49,7 +55,10 @@ def test_stop_string_and_stop_reason(llm):
 def test_chat_uses_template(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16))[0]
-    assert "Paris" in out.outputs[0].text
+    prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert out.outputs[0].text  # a reply, not the turn's end straight away
 
 
 def test_greedy_tokens_without_logits_are_those_of_the_logits(llm):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from shardserve import SamplingParams
+from shardserve.layers.block_quant import BlockWeight
 from shardserve.llm import LLM
 from tests.engine_helpers import engine_logits, hf_greedy, relative_error
 
@@ -20,8 +21,15 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def pair(smollm2_reference):
-    ours = LLM("smollm2", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, show_progress=False)
+    # dequantized as transformers dequantizes (the blocks kept: tests/layers/test_block_quant.py)
+    ours = LLM("smollm2", dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+               show_progress=False)
     return ours, smollm2_reference
+
+
+def test_none_dequantizes_the_gguf(pair):
+    ours, _ = pair
+    assert not isinstance(ours.engine.executor.runner.model.lm_head.packed, BlockWeight)
 
 
 def test_logits_match_transformers_gguf(pair):
