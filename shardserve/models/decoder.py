@@ -18,9 +18,10 @@ from shardserve.layers.activation import silu_and_mul
 from shardserve.layers.attention.backend import AttentionBackend
 from shardserve.layers.attention.paged_kv import KVShape
 from shardserve.layers.attention.torch_backend import TorchAttention
-from shardserve.layers.block_quant import kernels_available
+from shardserve.layers.block_quant import BlockWeight, ConcatBlockWeight, kernels_available
+from shardserve.layers.huge_pages import move_to_huge_pages
 from shardserve.layers.lazy_tensor import LazyTensor, as_lazy
-from shardserve.layers.linear import Linear, default_weight_loader
+from shardserve.layers.linear import Linear, PackedWeight, default_weight_loader
 from shardserve.layers.norm import RMSNorm
 from shardserve.layers.rotary import RotaryEmbedding
 from shardserve.models.flat_layers import FlatLayers
@@ -181,6 +182,8 @@ class DecoderModel(nn.Module):
                 module.prepack(quantization)
         if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.embed_tokens.share_rows_of(self.lm_head.packed)
+        streamed = {id(w): w for m in self.modules() for w in _streamed_weights(getattr(m, "packed", None))}
+        move_to_huge_pages(list(streamed.values()))  # before FlatLayers takes the tensors
         self.flat_layers = FlatLayers.build(self)
 
     def load_weights(self, tensors: Iterable[tuple[str, "torch.Tensor | LazyTensor"]]) -> None:
@@ -224,3 +227,12 @@ class DecoderModel(nn.Module):
         if expert is not None:  # routed experts: stacked parameters, shard_id = (expert_id, shard)
             return [expert]
         return [self.weight_names.unfuse(name)]
+
+
+def _streamed_weights(packed) -> list:
+    """The CPU weights a decode step reads whole, whose `data` our kernels take (layers/huge_pages.py)."""
+    if isinstance(packed, ConcatBlockWeight):
+        return packed.parts
+    if isinstance(packed, BlockWeight) or (isinstance(packed, PackedWeight) and packed.panel_kernel is not None):
+        return [packed] if packed.data.device.type == "cpu" and packed.data.is_contiguous() else []
+    return []
