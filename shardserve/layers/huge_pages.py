@@ -9,13 +9,11 @@ huge pages unless asked for.
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import torch
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # madvise's advice number (linux/mman.h)
 ALIGN = 64  # each tensor starts on a cache line
 
 
@@ -24,17 +22,15 @@ def _aligned(num_bytes: int) -> int:
 
 
 def huge_page_region(num_bytes: int) -> torch.Tensor | None:
-    """`num_bytes` of uint8 starting on a 2 MiB boundary, advised for huge pages; None where the
-    advice is refused (not Linux, or THP off)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
+    """`num_bytes` of uint8 starting on a 2 MiB boundary, advised for huge pages (as the KV pool
+    is: engine/kv_cache.py); None where the advice is refused (not Linux, or THP compiled out)."""
     size = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, inside the mapping wherever it starts
     buf = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` mapped while any view lives
     start = -whole.data_ptr() % HUGE_PAGE
-    if libc.madvise(ctypes.c_void_p(whole.data_ptr() + start), ctypes.c_size_t(size), MADV_HUGEPAGE) != 0:
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, start, size)
+    except (AttributeError, OSError):
         return None
     return whole[start:start + num_bytes]
 
