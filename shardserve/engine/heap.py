@@ -12,9 +12,10 @@ from __future__ import annotations
 import ctypes
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-# blocks at least this large are mmapped: a batch's logits or a prefill chunk's activations,
-# not the small per-token tensors of a decode step (a page fault per 4 KiB on each use)
-MMAP_THRESHOLD_BYTES = 1 << 20
+# glibc's own starting value, kept: at 1 MiB the [32, 3072] activations of a 32-stream step
+# still came from the heap, which grew 23-50 MiB over a run; a decode step at batch 1 has one
+# block this large (its logits, 192 KiB), so the mmap and page faults it costs are noise
+MMAP_THRESHOLD_BYTES = 128 << 10
 
 
 def _libc():
