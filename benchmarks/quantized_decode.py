@@ -11,8 +11,8 @@ three files hold the same model.
 Also printed, from the same run: the memory bandwidth this host gives torch (a 256 MiB read; for
 mbu_b1 the mean of reads right before and right after our Q4_1 server runs, as the host's speed
 moves within minutes), the bytes a batch-1 decode step reads (every linear weight and the LM
-head, in their blocks), and mbu_b1 = those bytes / bandwidth / our TPOT p50 at concurrency 1 (Q4_1); and each server's peak
-RSS (VmHWM) against the file plus the KV budget. Our process also holds Python, torch and the HTTP
+head, in their blocks), mbu_b1 = those bytes / bandwidth / our TPOT p50 at concurrency 1 (Q4_1),
+and each server's peak RSS (VmHWM) against the file plus the KV budget. Our process also holds Python, torch and the HTTP
 stack (`runtime_rss_mib`: the peak RSS of a process that imports the server's modules and loads
 nothing); the bound is checked on what the server holds above that.
 

@@ -291,8 +291,7 @@ def serving_token_budget(on_cpu: bool) -> int:
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
-# EngineConfig.quantization: layers/quantization.py (fp8, int8), layers/block_quant.py (gguf), and
-# "none": a GGUF checkpoint's blocks dequantized to the dtype (None leaves it to the checkpoint)
+# EngineConfig.quantization: layers/quantization.py (fp8, int8), layers/block_quant.py (gguf), none
 QUANTIZATION_METHODS = ("fp8", "int8", "gguf", "none")
 
 
@@ -373,10 +372,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # GPU: run every step eagerly, no CUDA graphs for decode steps (engine/cuda_graphs.py)
     enforce_eager: bool = False
-    # the layers' linear weights quantized after loading: "fp8" or "int8" (layers/quantization.py),
-    # or kept in a GGUF checkpoint's own blocks: "gguf" (layers/block_quant.py), as a .gguf implies
-    # on a CPU when this is None (vLLM's rule; engine/model_loader.py's quantization_for); "none"
-    # dequantizes a GGUF to `dtype`
+    # the linear weights quantized after loading: "fp8", "int8" (layers/quantization.py); kept in a
+    # GGUF's own blocks: "gguf" (block_quant.py), what None means for a .gguf on a CPU (vLLM's rule:
+    # model_loader.quantization_for); "none": a GGUF dequantized to `dtype`
     quantization: str | None = None
     # kernels whose result for a token does not depend on its batch nor on whether prefill or
     # decode computed it (a resumed stream continues exactly); False also allows faster ones
