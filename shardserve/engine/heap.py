@@ -1,40 +1,50 @@
-"""The process heap under a CPU engine (glibc's malloc; elsewhere these do nothing).
+"""The process heap under a CPU engine: one policy while loading, another while serving (glibc's
+malloc; elsewhere these do nothing).
 
-glibc serves an allocation from its heap unless it is at least the mmap threshold, and it raises
-that threshold to the size of every mmapped block freed, up to 32 MiB. Loading frees many large
-blocks (checkpoint reads, weights before repacking), so afterwards every step's activations and
-logits come from the heap, where a freed block in the middle stays resident: a Q4_1 SmolLM2
-server grew 62 MiB over a 32-stream run, all of it freed memory. A fixed threshold keeps large
-blocks mmapped, so they go back to the system when freed.
+Loading allocates and frees many blocks (checkpoint reads, weights before they are repacked into
+their huge-page region) between the long-lived objects it creates, and each freed block the heap
+served stays a hole there. Serving then fills those holes with activations, and every page it
+touches stays resident: with loading at a 1 MiB mmap threshold the heap held 86 MiB of holes, and a
+Q4_0 SmolLM2 server's heap grew 45-61 MiB over a 32-stream run. So loading mmaps every block of
+64 KiB and up (each leaves the process when freed; the heap's free space after loading fell to
+5-10 MiB), and serving takes blocks up to 32 MiB (glibc's most) from the heap and keeps what it
+frees at the top (up to 64 MiB): a step's activations and logits reuse the pages the step before
+touched instead of being mmapped afresh, a page fault per 4 KiB each time. That server's heap then
+grew 18-26 MiB and its peak RSS fell 25-35 MiB, at the same throughput (2026-12-07).
 """
 from __future__ import annotations
 
 import ctypes
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-# mmapping costs a system call and a page fault per 4 KiB on every use: offline, 64 prompts of
-# SmolLM2 Q8_0 at once ran 418 output tok/s at 1 MiB, 402 at 4 MiB, 375 at 32 MiB (what glibc
-# climbs to) and 325 at 128 KiB (its start), alternating processes; at 1 MiB a 32-stream server
-# still grows its heap 23-50 MiB (128 KiB: 8), the price of the faster steps
-MMAP_THRESHOLD_BYTES = 1 << 20
+# mallopt's parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+LOADING_MMAP_THRESHOLD = 64 << 10
+SERVING_MMAP_THRESHOLD = 32 << 20
+SERVING_TRIM_THRESHOLD = 64 << 20
 
 
 def _libc():
     try:
-        return ctypes.CDLL("libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
         return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def fix_mmap_threshold(num_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Keep blocks of at least `num_bytes` out of the heap from now on; False where not glibc."""
+def heap_for_loading() -> bool:
+    """Blocks of 64 KiB and up bypass the heap from now on; False where not glibc."""
     libc = _libc()
-    return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, num_bytes))
+    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD))
 
 
-def return_freed_heap() -> None:
-    """Hand freed heap memory back to the system now (the loader's, before the KV pool is
-    committed on top of it: about 20 MiB for SmolLM2, which a prefaulted pool's peak carries)."""
+def heap_for_serving() -> bool:
+    """Hand the loader's freed heap back to the system, then let steps reuse heap memory for blocks
+    up to 32 MiB and keep up to 64 MiB freed at the heap's top; False where not glibc."""
     libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, SERVING_MMAP_THRESHOLD)
+                and libc.mallopt(M_TRIM_THRESHOLD, SERVING_TRIM_THRESHOLD))

@@ -9,7 +9,7 @@ import torch
 from shardserve.config import ConfigError, EngineConfig, ModelConfig
 from shardserve.dtypes import ENGINE_DTYPES
 from shardserve.engine.grammar import Grammars
-from shardserve.engine.heap import fix_mmap_threshold, return_freed_heap
+from shardserve.engine.heap import heap_for_loading, heap_for_serving
 from shardserve.engine.kv_cache import KVCache, kv_budget_bytes
 from shardserve.layers.attention.backend import AttentionBackend, attention_backend
 from shardserve.layers.attention.paged_kv import KVShape
@@ -74,7 +74,7 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_nu
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if device.type == "cpu":  # the native kernels, all at once, before the layers ask for them one by one
         build_all()
-        fix_mmap_threshold()  # before the checkpoint's large reads (engine/heap.py)
+        heap_for_loading()  # before the checkpoint's reads (engine/heap.py)
     attention = attention_backend(device, deterministic=config.deterministic)
     with torch.device(device):
         model = model_class(model_config.architecture)(model_config, dtype, max_model_len, groups, attention)
@@ -91,7 +91,7 @@ def load_model(config: EngineConfig, groups: ParallelGroups | None = None, kv_nu
     model.prepack(quantization)
     model.eval()
     if device.type == "cpu":
-        return_freed_heap()
+        heap_for_serving()
     if kv_num_blocks is None:
         kv_cache = _allocate_kv_cache(config, model.kv_shape, max_model_len, dtype, device, groups)
     else:
