@@ -87,6 +87,28 @@ def test_kernel_is_the_block_arithmetic_and_the_same_in_any_batch(qtype, dtype):
 
 
 @needs_kernels
+def test_every_output_row_is_computed_once_whatever_the_thread_count():
+    """Threads walk contiguous runs of 64 output rows and take what is left of each other's from
+    the back: with more threads than cores some always do. Rows left out would read as the
+    uninitialized output; any thread count gives the one-thread bits."""
+    torch.manual_seed(2)
+    raw = _raw(torch.randn(1000, 64) * 0.1, QType.Q4_1)  # 63 groups of 16 rows: 16 runs, the last short
+    blocks = BlockWeight(raw)
+    x = torch.randn(5, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [blocks.linear(x[:n], None) for n in (1, 5)]
+        for count in (2, 3, 7):
+            torch.set_num_threads(count)
+            for _ in range(20):
+                assert all(torch.equal(blocks.linear(x[:n], None), y) for n, y in zip((1, 5), expected))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(expected[1].double(), block_linear_reference(x, raw), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 def test_a_row_parallel_slice_keeps_blocks_only_on_block_boundaries():
     torch.manual_seed(2)
     weight = torch.randn(8, 128)
