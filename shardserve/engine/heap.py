@@ -8,9 +8,11 @@ touches stays resident: with loading at a 1 MiB mmap threshold the heap held 86 
 Q4_0 SmolLM2 server's heap grew 45-61 MiB over a 32-stream run. So loading mmaps every block of
 64 KiB and up (each leaves the process when freed; the heap's free space after loading fell to
 5-10 MiB), and serving takes blocks up to 32 MiB (glibc's most) from the heap and keeps what it
-frees at the top (up to 64 MiB): a step's activations and logits reuse the pages the step before
-touched instead of being mmapped afresh, a page fault per 4 KiB each time. That server's heap then
-grew 18-26 MiB and its peak RSS fell 25-35 MiB, at the same throughput (2026-12-07).
+frees at the top (up to 64 MiB): a step's activations and logits reuse heap pages earlier steps
+touched instead of being mmapped afresh, a page fault per 4 KiB each time. (torch asks for 64-byte
+aligned blocks, which a freed block of the same size does not always fit, so the heap still grows
+some.) That server's heap then grew 18-26 MiB and its peak RSS fell 25-35 MiB, at the same
+throughput (2026-12-07).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import gguf
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from shardserve.layers.cpu_kernels import load_block_linear
+from shardserve.layers.cpu_kernels import argmax_rows, load_block_linear
 
 BLOCK = 32  # inputs per block of the kernel
 GROUP_ROWS = 16
@@ -182,7 +182,7 @@ class BlockWeight:
         return self.kernel(x, self.data, self.format, None, self.out_features, True)
 
     def linear_argmax(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_float(x).argmax(dim=-1)
+        return argmax_rows(self.linear_float(x))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] [T, in] in `dtype`, dequantized from the blocks (an embedding's lookup)."""

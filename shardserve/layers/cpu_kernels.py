@@ -136,6 +136,18 @@ def load_argmax_rows():
     return None if module is None else module.argmax_rows
 
 
+def argmax_rows(logits):
+    """logits.argmax(dim=-1); for float32 CPU logits the native vectorized scan (torch's is
+    scalar: over SmolLM2's 49,152 logits 0.44 ms of a batch-32 step, 55 us of a batch-1 one)."""
+    import torch
+
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        native = load_argmax_rows()
+        if native is not None:
+            return native(logits)
+    return logits.argmax(dim=-1)
+
+
 def load_block_linear():
     """The block kernels' module for a weight in GGUF blocks packed as layers/block_quant.py packs
     it (`block_linear(x [N, in], w, format, bias | None, out, float_out)` -> [N, out];

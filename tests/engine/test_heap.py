@@ -27,14 +27,18 @@ print(before - rss_mib())
 """
 
 SERVING_PROBE = """
-import resource, sys, torch
+import ctypes, resource, sys
 from shardserve.engine.heap import heap_for_loading, heap_for_serving
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 (heap_for_serving if sys.argv[1] == 'policy' else heap_for_loading)()
-logits = torch.ones(6 << 20, dtype=torch.uint8)  # a decode step's logits: 32 rows x 49,152 floats
-pin = torch.ones(1000)  # a small block after it, as a step's bookkeeping leaves
-del logits
+size = 6 << 20  # a decode step's logits: 32 rows x 49,152 floats
+block = libc.malloc(size)
+ctypes.memset(block, 1, size)
+libc.free(block)
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-logits = torch.ones(6 << 20, dtype=torch.uint8)  # the next step's
+block = libc.malloc(size)  # the next step's
+ctypes.memset(block, 1, size)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 """
 
