@@ -109,6 +109,11 @@ class LLMEngine:
     def step_stats(self, reset: bool = True) -> list[StepStats]:
         return self.executor.step_stats(reset)
 
+    def weight_bytes_per_param(self) -> float | None:
+        """Bytes a step reads per weight parameter where the weights are quantized; None where
+        they keep --dtype (models/decoder.py)."""
+        return self.runner.model.weight_bytes_per_param()
+
     def rebalance_experts(self) -> None:
         """Re-place experts from the load observed so far, on the running replica (no restart)."""
         self.executor.rebalance_experts()

@@ -186,6 +186,18 @@ class DecoderModel(nn.Module):
         move_to_huge_pages(list(streamed.values()))  # before FlatLayers takes the tensors
         self.flat_layers = FlatLayers.build(self)
 
+    def weight_bytes_per_param(self) -> float | None:
+        """Bytes per parameter of the linears and the LM head as this rank keeps them, what a step
+        reads of each (GGUF blocks: 0.56-1.06), where some are quantized; None where all keep the
+        model's dtype. The byte counts of the efficiency metrics and the profiler (planner
+        Deployment.weight_bytes_per_param)."""
+        parts = [part for m in self.modules() if isinstance(m, (Linear, ParallelLMHead))
+                 for part in _parts(getattr(m, "packed", None) or m.weight)]
+        if all(isinstance(p, (torch.Tensor, PackedWeight)) for p in parts):
+            return None
+        kept = [_kept(p) for p in parts]
+        return sum(b for b, _ in kept) / sum(n for _, n in kept)
+
     def load_weights(self, tensors: Iterable[tuple[str, "torch.Tensor | LazyTensor"]]) -> None:
         """Copy checkpoint tensors (HF names) into our parameters, each rank reading only its
         part (other stages' layers are skipped); every parameter must be set."""
@@ -236,3 +248,14 @@ def _streamed_weights(packed) -> list:
     if isinstance(packed, BlockWeight) or (isinstance(packed, PackedWeight) and packed.panel_kernel is not None):
         return [packed] if packed.data.device.type == "cpu" and packed.data.is_contiguous() else []
     return []
+
+
+def _parts(weight) -> list:
+    return weight.parts if isinstance(weight, ConcatBlockWeight) else [weight]
+
+
+def _kept(weight) -> tuple[int, int]:
+    """(bytes, parameters) of a weight as kept: a tensor, or a packed form holding `data`."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size(), weight.numel()
+    return weight.data.numel() * weight.data.element_size(), weight.out_features * weight.in_features

@@ -168,7 +168,7 @@ def _fewest_replicas(replica: ReplicaModel, qps: float, slo: SLO | None, capacit
 
 def kv_capacity_seqs(dep: Deployment, workload: Workload, space: SearchSpace) -> int:
     """Sequences of the workload's isl + osl tokens whose KV one replica of `dep` holds."""
-    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.dtype_bytes, space.mem_fraction,
+    kv_tokens = max_batch_tokens(dep.model, dep.parallel, dep.hardware, dep.weight_bytes, space.mem_fraction,
                                  dep.kv_bytes)
     return max_num_seqs_that_fit(kv_tokens, workload.input_len + workload.output_len, space.block_size)
 

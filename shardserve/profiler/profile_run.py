@@ -121,7 +121,9 @@ def raise_peaks(dep: Deployment, measured: list[tuple[PointMeasurement, dict[str
     return dataclasses.replace(dep, hardware=hw)
 
 
-def _measure_all(config: EngineConfig, points: list[SweepPoint], profile: ProfileConfig) -> list[PointMeasurement]:
+def _measure_all(config: EngineConfig, points: list[SweepPoint],
+                 profile: ProfileConfig) -> tuple[list[PointMeasurement], float | None]:
+    """The points' measurements, and the bytes per weight parameter where the engine quantized them."""
     engine = build_engine(config)
     try:
         batches = ControlledBatches(engine, profile.seed, SamplingParams(temperature=profile.temperature))
@@ -131,7 +133,7 @@ def _measure_all(config: EngineConfig, points: list[SweepPoint], profile: Profil
             for point in progress:
                 progress.set_postfix_str(point.label)
                 measurements.append(measure_point(probe, batches, point, profile.sweep))
-        return measurements
+        return measurements, engine.weight_bytes_per_param()
     finally:
         engine.shutdown()
 
@@ -141,8 +143,8 @@ def run_profile(config: EngineConfig, model: ModelConfig, profile: ProfileConfig
     points = profile.sweep.points(config.max_model_len or model.max_position_embeddings)
     config = sweep_engine_config(config, model, points, profile.sweep)
     hardware = profile_hardware(config, profile.device_name)  # before the engine: no rank competes
-    measurements = _measure_all(config, points, profile)
-    dep = Deployment(model, config.parallel, hardware, config.dtype)
+    measurements, weight_bytes_per_param = _measure_all(config, points, profile)
+    dep = Deployment(model, config.parallel, hardware, config.dtype, weight_bytes_per_param=weight_bytes_per_param)
     measured = [(m, op_class_work(dep, m.timing.batch)) for m in measurements]
     dep = raise_peaks(dep, measured)
     device_name = profile.device_name or MEASURED_DEVICE

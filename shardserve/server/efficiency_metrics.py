@@ -140,10 +140,11 @@ def replica_hardware(engine_config, calibration_path: str | None = None):
                              num_copy_bytes=PROBE_COPY_BYTES)
 
 
-def efficiency_config(engine_config, model_config, hardware,
-                      price_per_device_hour_usd: float | None = None) -> EfficiencyConfig:
-    """The replica's EfficiencyConfig against `hardware` (replica_hardware). Price: the flag, else
-    the hardware entry's, else 0 (a measured host has no catalog price)."""
+def efficiency_config(engine_config, model_config, hardware, price_per_device_hour_usd: float | None = None,
+                      weight_bytes_per_param: float | None = None) -> EfficiencyConfig:
+    """The replica's EfficiencyConfig against `hardware` (replica_hardware), its weights counted at
+    `weight_bytes_per_param` (the engine's; None: --dtype's). Price: the flag, else the hardware
+    entry's, else 0 (a measured host has no catalog price)."""
     import dataclasses
 
     price = hardware.price_per_hour_usd if price_per_device_hour_usd is None else price_per_device_hour_usd
@@ -155,5 +156,6 @@ def efficiency_config(engine_config, model_config, hardware,
     if engine_config.parallel.world_size > 1 and hardware.intra_node_bandwidth_bytes_s <= 0:
         hardware = dataclasses.replace(hardware, intra_node_bandwidth_bytes_s=hardware.memory_bandwidth_bytes_s,
                                        devices_per_node=engine_config.parallel.world_size)
-    dep = Deployment(model_config, engine_config.parallel, hardware, engine_config.dtype)
+    dep = Deployment(model_config, engine_config.parallel, hardware, engine_config.dtype,
+                     weight_bytes_per_param=weight_bytes_per_param)
     return EfficiencyConfig(dep, price)

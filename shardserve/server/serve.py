@@ -29,7 +29,8 @@ def build_server(engine_config: EngineConfig, server_config: ServerConfig, auth:
     engine = build_engine(engine_config)
     engine.warm_up()  # before the port opens: /health answers only once the kernels have run
     model_name = server_config.served_model_name or engine_config.model
-    efficiency = efficiency_config(engine_config, engine.model_config, hardware, server_config.device_price_per_hour_usd)
+    efficiency = efficiency_config(engine_config, engine.model_config, hardware, server_config.device_price_per_hour_usd,
+                                   engine.weight_bytes_per_param())
     spec = engine_config.speculative
     metrics = ServerMetrics(model_name, efficiency, spec.num_speculative_tokens if spec else 0)
     async_engine = AsyncEngine(engine, server_config.max_waiting_requests, on_step=metrics.observe_step)

@@ -167,11 +167,17 @@ def test_an_engine_on_gguf_blocks_stays_near_the_dequantized_file_and_is_batch_i
     path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0 if name == "token_embd.weight" else qtype)
     kwargs = dict(dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False,
                   skip_tokenizer_init=True)
-    plain, blocks = LLM(str(path), **kwargs), LLM(str(path), quantization="gguf", **kwargs)
+    plain, blocks = LLM(str(path), quantization="none", **kwargs), LLM(str(path), quantization="gguf", **kwargs)
     model = blocks.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.packed, BlockWeight) and m.packed.qtype == qtype for m in linears)
     assert isinstance(model.lm_head.packed, BlockWeight) and model.embed_tokens.shared is model.lm_head.packed
+    # what a step reads per weight, the efficiency metrics' byte count: the file's block sizes
+    block_bytes = {t: gguf.GGML_QUANT_SIZES[t][1] / gguf.GGML_QUANT_SIZES[t][0] for t in (qtype, QType.Q8_0)}
+    params = {"linears": sum(m.packed.out_features * m.packed.in_features for m in linears), "head": 96 * 64}
+    expected = (params["linears"] * block_bytes[qtype] + params["head"] * block_bytes[QType.Q8_0]) / sum(params.values())
+    assert blocks.engine.weight_bytes_per_param() == pytest.approx(expected)
+    assert plain.engine.weight_bytes_per_param() is None  # kept in --dtype: the planner's own count
     ids = list(range(3, 60))
     logits = {chunk: engine_logits(blocks.engine, ids, chunk) for chunk in (10**6, 1)}
     bound = 0.05 if qtype == QType.Q8_0 else 0.1  # the activations' 8 bits (and bf16's own rounding)
@@ -197,7 +203,7 @@ def test_a_k_quant_engine_as_llama_cpp_s_mixed_files_have_it_stays_near_the_dequ
     logits = engine_logits(llm.engine, ids, 100)
     assert torch.equal(logits, engine_logits(llm.engine, ids, 1))
     # the activations' 8 bits (measured 0.011)
-    assert relative_error(logits, engine_logits(LLM(str(path), **kwargs).engine, ids, 100)) < 0.05
+    assert relative_error(logits, engine_logits(LLM(str(path), quantization="none", **kwargs).engine, ids, 100)) < 0.05
 
 
 @needs_kernels
@@ -215,7 +221,7 @@ def test_shards_in_different_formats_keep_their_blocks_side_by_side(tmp_path):
     ids = list(range(3, 20))
     logits = engine_logits(llm.engine, ids, 100)
     assert torch.equal(logits, engine_logits(llm.engine, ids, 1))
-    assert relative_error(logits, engine_logits(LLM(str(path), **kwargs).engine, ids, 100)) < 0.1
+    assert relative_error(logits, engine_logits(LLM(str(path), quantization="none", **kwargs).engine, ids, 100)) < 0.1
 
 
 def test_gguf_quantization_needs_a_gguf_checkpoint_and_a_cpu(tmp_path):

@@ -374,3 +374,16 @@ def test_kv_dtype_overrides_the_cache_the_weights_keep():
     assert step_work(fp4, BatchSummary(num_decode_seqs=64, decode_context_len=1000)).kv_bytes == kv_read_bytes
     with pytest.raises(ConfigError):
         dep(LLAMA70B, par(), hw="b200", dtype="float4", kv_dtype="float5")
+
+
+def test_weights_kept_in_blocks_are_read_at_their_own_bytes():
+    # an engine serving GGUF Q4_1 blocks (0.625 bytes a weight) under bfloat16 activations: a step
+    # reads its weights at those bytes, its KV and FLOPs as bfloat16's
+    bf16 = dep(TINY, par(), hw="h100")
+    blocks = dep(TINY, par(), hw="h100", weight_bytes_per_param=0.625)
+    batch = BatchSummary(num_decode_seqs=4, decode_context_len=100)
+    assert step_work(blocks, batch).weight_bytes == pytest.approx(step_work(bf16, batch).weight_bytes * 0.625 / 2)
+    assert step_work(blocks, batch).kv_bytes == step_work(bf16, batch).kv_bytes
+    assert step_work(blocks, batch).flops == step_work(bf16, batch).flops
+    with pytest.raises(ConfigError):
+        dep(TINY, par(), hw="h100", weight_bytes_per_param=0)
