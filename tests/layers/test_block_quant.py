@@ -175,7 +175,8 @@ def test_an_engine_on_gguf_blocks_stays_near_the_dequantized_file_and_is_batch_i
     # what a step reads per weight, the efficiency metrics' byte count: the file's block sizes
     block_bytes = {t: gguf.GGML_QUANT_SIZES[t][1] / gguf.GGML_QUANT_SIZES[t][0] for t in (qtype, QType.Q8_0)}
     params = {"linears": sum(m.packed.out_features * m.packed.in_features for m in linears), "head": 96 * 64}
-    expected = (params["linears"] * block_bytes[qtype] + params["head"] * block_bytes[QType.Q8_0]) / sum(params.values())
+    expected = ((params["linears"] * block_bytes[qtype] + params["head"] * block_bytes[QType.Q8_0])
+                / sum(params.values()))
     assert blocks.engine.weight_bytes_per_param() == pytest.approx(expected)
     assert plain.engine.weight_bytes_per_param() is None  # kept in --dtype: the planner's own count
     ids = list(range(3, 60))

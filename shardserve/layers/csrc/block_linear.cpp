@@ -310,7 +310,9 @@ constexpr int64_t kXTile = 4;  // rows of x that share each unpacked weight bloc
 // takes from the front, other threads from the back, and neither takes a chunk twice.
 struct alignas(64) ChunkRun {  // a cache line each: the owners' takes do not contend
   std::atomic<uint64_t> bounds{0};
-  void reset(int64_t first, int64_t end) { bounds.store(static_cast<uint64_t>(first) << 32 | static_cast<uint64_t>(end)); }
+  void reset(int64_t first, int64_t end) {
+    bounds.store(static_cast<uint64_t>(first) << 32 | static_cast<uint64_t>(end));
+  }
   int64_t take_front() { return take(true); }
   int64_t take_back() { return take(false); }
 
@@ -321,7 +323,8 @@ struct alignas(64) ChunkRun {  // a cache line each: the owners' takes do not co
       const uint64_t first = b >> 32, end = b & 0xffffffffu;
       if (first >= end) return -1;
       const uint64_t next = front ? (first + 1) << 32 | end : first << 32 | (end - 1);
-      if (bounds.compare_exchange_weak(b, next, std::memory_order_relaxed)) return static_cast<int64_t>(front ? first : end - 1);
+      if (bounds.compare_exchange_weak(b, next, std::memory_order_relaxed))
+        return static_cast<int64_t>(front ? first : end - 1);
     }
   }
 };
