@@ -88,11 +88,11 @@ def test_kernel_is_the_block_arithmetic_and_the_same_in_any_batch(qtype, dtype):
 
 @needs_kernels
 def test_every_output_row_is_computed_once_whatever_the_thread_count():
-    """Threads walk contiguous runs of 64 output rows and take what is left of each other's from
-    the back: with more threads than cores some always do. Rows left out would read as the
+    """Threads walk contiguous runs of 64-row chunks and take what is left of each other's runs
+    from the back: with more threads than cores some always do. Rows left out would read as the
     uninitialized output; any thread count gives the one-thread bits."""
     torch.manual_seed(2)
-    raw = _raw(torch.randn(1000, 64) * 0.1, QType.Q4_1)  # 63 groups of 16 rows: 16 runs, the last short
+    raw = _raw(torch.randn(1000, 64) * 0.1, QType.Q4_1)  # 63 groups of 16 rows: 16 chunks, the last short
     blocks = BlockWeight(raw)
     x = torch.randn(5, 64)
     threads = torch.get_num_threads()
