@@ -39,12 +39,12 @@ def move_to_huge_pages(weights: list) -> bool:
     """Move each weight's `data` (a contiguous CPU tensor: BlockWeight, PackedWeight) into one
     huge-page region, back to back, each on a cache line; one at a time, so that each original
     is freed before the next is copied. False (nothing moved) where no region can be had."""
-    region = huge_page_region(sum(_aligned(w.data.numel() * w.data.element_size()) for w in weights))
+    region = huge_page_region(sum(_aligned(w.data.nbytes) for w in weights))
     if region is None:
         return False
     offset = 0
     for w in weights:
-        num_bytes = w.data.numel() * w.data.element_size()
+        num_bytes = w.data.nbytes
         copy = region[offset:offset + num_bytes].view(w.data.dtype).view(w.data.shape)
         copy.copy_(w.data)
         w.data = copy

@@ -192,7 +192,7 @@ class DecoderModel(nn.Module):
         model's dtype. The byte counts of the efficiency metrics and the profiler (planner
         Deployment.weight_bytes_per_param)."""
         parts = [part for m in self.modules() if isinstance(m, (Linear, ParallelLMHead))
-                 for part in _parts(getattr(m, "packed", None) or m.weight)]
+                 for part in _parts(m.packed or m.weight)]
         if all(isinstance(p, (torch.Tensor, PackedWeight)) for p in parts):
             return None
         kept = [_kept(p) for p in parts]
@@ -241,21 +241,20 @@ class DecoderModel(nn.Module):
         return [self.weight_names.unfuse(name)]
 
 
+def _parts(weight) -> list:
+    """What a weight is kept as, piece by piece: a ConcatBlockWeight's parts, else the weight."""
+    return weight.parts if isinstance(weight, ConcatBlockWeight) else [weight]
+
+
 def _streamed_weights(packed) -> list:
     """The CPU weights a decode step reads whole, whose `data` our kernels take (layers/huge_pages.py)."""
-    if isinstance(packed, ConcatBlockWeight):
-        return packed.parts
-    if isinstance(packed, BlockWeight) or (isinstance(packed, PackedWeight) and packed.panel_kernel is not None):
-        return [packed] if packed.data.device.type == "cpu" and packed.data.is_contiguous() else []
-    return []
-
-
-def _parts(weight) -> list:
-    return weight.parts if isinstance(weight, ConcatBlockWeight) else [weight]
+    return [p for p in _parts(packed)
+            if (isinstance(p, BlockWeight) or (isinstance(p, PackedWeight) and p.panel_kernel is not None))
+            and p.data.device.type == "cpu" and p.data.is_contiguous()]
 
 
 def _kept(weight) -> tuple[int, int]:
     """(bytes, parameters) of a weight as kept: a tensor, or a packed form holding `data`."""
     if isinstance(weight, torch.Tensor):
-        return weight.numel() * weight.element_size(), weight.numel()
-    return weight.data.numel() * weight.data.element_size(), weight.out_features * weight.in_features
+        return weight.nbytes, weight.numel()
+    return weight.data.nbytes, weight.out_features * weight.in_features
