@@ -79,9 +79,10 @@ def _devices(names: list[str], what_if: str | None, calibration_path: str | None
 def _efficiency_line(devices) -> str:
     labels = [f"{hw.name}: {eff.label}" for hw, eff in devices]
     line = "efficiency: " + "; ".join(labels)
-    if any(not eff.calibrated for _, eff in devices):
-        line += ("\n  (uncalibrated = literature priors: gemm 0.7, attention 0.5, memory 0.8, network 0.7,"
-                 " 2 ms per step; pass --calibration FILE from `shardserve profile`)")
+    prior = next((eff for _, eff in devices if not eff.calibrated), None)
+    if prior is not None:
+        line += (f"\n  (uncalibrated = literature priors: {prior.priors_text()}; pass --calibration FILE"
+                 " from `shardserve profile`)")
     return line
 
 

@@ -131,6 +131,11 @@ class Efficiency:
         """Host time of a step of `num_seqs` sequences computing `num_tokens` new tokens."""
         return self.step_overhead_s + self.seq_overhead_s * num_seqs + self.token_overhead_s * num_tokens
 
+    def priors_text(self) -> str:
+        """The factors a plan without calibration runs on, as the CLIs print them."""
+        return (f"gemm {self.gemm:g}, attention {self.attention:g}, memory {self.memory:g}, network {self.network:g}, "
+                f"overlap {self.overlap:g}, {self.step_overhead_s * 1e3:g} ms per step")
+
     @property
     def label(self) -> str:
         if not self.calibrated:

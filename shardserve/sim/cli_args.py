@@ -145,7 +145,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     config = build_sim_config(args)
     print(describe(config), flush=True)
     if not config.deployment.efficiency.calibrated:
-        print("  (uncalibrated: literature priors; pass --calibration FILE from `shardserve profile`)")
+        print(f"  (uncalibrated: literature priors, {config.deployment.efficiency.priors_text()}; pass --calibration FILE"
+              " from `shardserve profile`)")
     sim = Simulation(config)
     results = []
     for level, workload in level_configs(args):

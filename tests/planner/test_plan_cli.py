@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from shardserve.cli import main
+from shardserve.planner.efficiency import Efficiency
 from shardserve.planner.hardware import get_hardware
 from shardserve.planner.model_presets import preset
 from shardserve.planner.search import candidate_layouts
@@ -60,6 +61,16 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_priors_a_plan_names_are_the_ones_it_runs_on(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "H100", "--qps", "1", "--top", "1"]) == 0
+    prior = Efficiency()
+    named = re.search(r"literature priors: gemm ([\d.]+), attention ([\d.]+), memory ([\d.]+), network ([\d.]+), "
+                      r"overlap ([\d.]+), ([\d.]+) ms per step", capsys.readouterr().out)
+    assert named is not None
+    assert [float(v) for v in named.groups()] == [prior.gemm, prior.attention, prior.memory, prior.network,
+                                                   prior.overlap, prior.step_overhead_s * 1e3]
 
 
 def test_missing_qps_is_an_error(capsys):
