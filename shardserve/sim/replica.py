@@ -210,19 +210,8 @@ class SimReplica:
     def _decode_ends(self, start_s: float, num_decodes: int, offset_sum: int, first_step: int,
                      num_steps: int) -> list[float]:
         """End times of `num_steps` decode steps from `first_step`, at `num_decodes` sequences whose
-        contexts at step s sum to num_decodes * s + offset_sum. The same float operations as single
-        steps (clock.decode_s, then start + duration), one step at a time."""
-        coefficients = self.clock.decode_coefficients(num_decodes)
-        context_sum = num_decodes * first_step + offset_sum
-        ends, end_s = [], start_s
-        for _ in range(num_steps):
-            if coefficients is None:
-                end_s += self.clock.decode_s(num_decodes, context_sum)
-            else:
-                end_s += coefficients[0] + coefficients[1] * context_sum
-            ends.append(end_s)
-            context_sum += num_decodes
-        return ends
+        contexts at step s sum to num_decodes * s + offset_sum (clock.decode_ends)."""
+        return self.clock.decode_ends(start_s, num_decodes, num_decodes * first_step + offset_sum, num_steps)
 
     def _start_mixed(self, now: float) -> None:
         group, scheduler = self.group, self.scheduler

@@ -92,6 +92,22 @@ class StepClock:
         base_s, per_token_s = coefficients
         return base_s + per_token_s * decode_context_sum
 
+    def decode_ends(self, start_s: float, num_decodes: int, decode_context_sum: int, num_steps: int) -> list[float]:
+        """End times of `num_steps` decode steps from `start_s`, at `num_decodes` sequences whose
+        contexts sum to `decode_context_sum` at the first and grow by one token each a step: the
+        same float operations as decode_s and `start + duration`, one step at a time, so that a
+        run of steps lands where single steps would."""
+        coefficients = self.decode_coefficients(num_decodes)
+        ends, end_s = [], start_s
+        for _ in range(num_steps):
+            if coefficients is None:
+                end_s += self._direct_s(num_decodes, decode_context_sum, None)
+            else:
+                end_s += coefficients[0] + coefficients[1] * decode_context_sum
+            ends.append(end_s)
+            decode_context_sum += num_decodes
+        return ends
+
     def mixed_s(self, num_decodes: int, decode_context_sum: int, chunk: tuple[int, int]) -> float:
         """One step of `num_decodes` one-token sequences plus one prompt chunk (num_tokens, context_len)."""
         key = (num_decodes, *chunk)

@@ -61,9 +61,14 @@ def test_chat_uses_template(llm):
     assert out.outputs[0].text  # a reply, not the turn's end straight away
 
 
-def test_greedy_tokens_without_logits_are_those_of_the_logits(llm):
-    """Plain greedy requests take the LM head's fused argmax; asking for logprobs makes the same
-    batch go through the full logits and the sampler: the tokens must agree."""
+def test_greedy_tokens_without_logits_are_those_of_the_logits():
+    """Plain greedy requests take the LM head's fused argmax (the panel kernel's epilogue, which
+    never writes the logits); asking for logprobs makes the same batch go through the full logits
+    and the sampler: the tokens must agree. (The GGUF blocks' head argmaxes its logits in both.)"""
+    llm = LLM("smollm2", dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=256,
+              show_progress=False)
+    head = llm.engine.runner.model.lm_head.packed
+    assert not isinstance(head, BlockWeight) and head.fused
     prompts = ["The capital of France is", "def fib(n):", "1, 2, 3,", "Once upon a time"]
     fused = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     via_logits = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))

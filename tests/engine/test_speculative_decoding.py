@@ -157,7 +157,7 @@ def test_a_gguf_target_drafted_by_its_own_blocks(tmp_path):
     same file dequantized: the target's tokens, and most of the quantized copy's guesses hold."""
     from gguf import GGMLQuantizationType as QType
 
-    from shardserve.layers.block_quant import kernels_available
+    from shardserve.layers.block_quant import BlockWeight, kernels_available
     from tests.layers.test_block_quant import _tiny_gguf
 
     if not kernels_available():
@@ -165,11 +165,16 @@ def test_a_gguf_target_drafted_by_its_own_blocks(tmp_path):
     path = _tiny_gguf(tmp_path, lambda name: QType.Q8_0)
     batch = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 40, 41, 42, 43]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kwargs = dict(dtype="float32", skip_tokenizer_init=True)
-    expected = [o.outputs[0].token_ids for o in tiny_llm(path, **kwargs).generate(batch, params)]
+    # the target dequantized (a .gguf alone would keep its blocks too: then every guess would hold)
+    kwargs = dict(dtype="float32", skip_tokenizer_init=True, quantization="none")
+    plain = tiny_llm(path, **kwargs)
+    expected = [o.outputs[0].token_ids for o in plain.generate(batch, params)]
     spec = tiny_llm(path, draft_config(path, quantization="gguf"), **kwargs)
     assert [o.outputs[0].token_ids for o in spec.generate(batch, params)] == expected
+    target_head = spec.engine.runner.model.lm_head
+    assert not isinstance(target_head.packed, BlockWeight)
     stats = spec.engine.speculator.stats
+    print(f"\nQ8_0 draft of its dequantized target: {stats.num_accepted_tokens} of {stats.num_draft_tokens} guesses held")
     assert stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens > 0
 
 

@@ -65,6 +65,13 @@ class ConstantClock:
     def step_s(self, num_decodes: int, decode_context_sum: int, chunks) -> float:
         return self.step_s_value
 
+    def decode_ends(self, start_s: float, num_decodes: int, decode_context_sum: int, num_steps: int) -> list[float]:
+        ends = []
+        for _ in range(num_steps):  # chained, as StepClock.decode_ends
+            start_s += self.step_s_value
+            ends.append(start_s)
+        return ends
+
 
 def constant_step_simulation(sim_config: SimConfig, step_s: float) -> Simulation:
     sim = Simulation(sim_config)

@@ -44,17 +44,20 @@ def test_clock_gives_the_cost_models_step_times(dep):
         assert math.isclose(got, expected, rel_tol=1e-9), (num_decodes, chunks)
 
 
-def test_decode_run_lands_on_single_steps_exactly():
+@pytest.mark.parametrize("num_decodes", [17, 1])
+def test_decode_run_lands_on_single_steps_exactly(num_decodes):
+    """A replica plans a run of decode steps at once (clock.decode_ends): each end must be where
+    chaining single steps puts it, bit for bit, and each step the cost model's own time."""
     dep = deployments()[0]
     clock = StepClock(dep, MAX_MODEL_LEN)
-    base_s, per_token_s = clock.decode_coefficients(17)
-    end_s, context_sum = 1.5, 17 * 300
-    for _ in range(50):  # the replica's run loop and single steps share this arithmetic
-        end_s += base_s + per_token_s * context_sum
-        single = clock.decode_s(17, context_sum)
-        assert single == base_s + per_token_s * context_sum
-        context_sum += 17
-    assert end_s > 1.5
+    ends = clock.decode_ends(1.5, num_decodes, num_decodes * 300, 50)
+    end_s, context = 1.5, 300
+    for got in ends:
+        step_s = clock.decode_s(num_decodes, num_decodes * context)
+        assert math.isclose(step_s, step_time(dep, [(1, context)] * num_decodes).total_s, rel_tol=1e-9)
+        end_s += step_s
+        assert got == end_s
+        context += 1
 
 
 def test_mixed_form_is_fitted_once_a_shape_repeats():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shardserve.sim.workload import WorkloadConfig, build_workload, iter_workload
+from shardserve.sim.workload import RequestSpec, WorkloadConfig, build_workload, iter_workload
 
 
 @pytest.mark.parametrize("config", [
@@ -24,7 +24,9 @@ def test_stream_of_a_trace(tmp_path):
     trace.write_text("\n".join(json.dumps({"prompt": [1, 2, i], "output_len": 3, "arrival_time_s": 5 - i})
                                for i in range(5)))
     config = WorkloadConfig(4, f"jsonl:{trace}")
-    assert list(iter_workload(config)) == build_workload(config) and len(build_workload(config)) == 4
+    # the trace's first 4 records, in file order, each as written
+    expected = [RequestSpec((1, 2, i), None, 3, 5.0 - i) for i in range(4)]
+    assert list(iter_workload(config)) == expected and build_workload(config) == expected
 
 
 def test_stream_is_lazy():
