@@ -48,23 +48,39 @@ def test_chat_completion_stream_and_whole(client, offline):
 
 def test_n_choices_prompt_lists_and_token_id_prompts(client, offline):
     ids = offline.tokenizer.encode(PROMPT)
-    got = client.completions.create(model="smol", prompt=[PROMPT, "Hello"], n=2, max_tokens=5, seed=3, temperature=1.0)
+    prompts = [PROMPT, "Hello"]
+    got = client.completions.create(model="smol", prompt=prompts, n=2, max_tokens=5, seed=3, temperature=1.0, top_p=1.0)
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
-    assert got.choices[0].text != got.choices[1].text or got.choices[0].text == ""  # seeds 3 and 4
+    # choice i of each prompt samples with seed + i, as that prompt alone would offline
+    expected = [offline.generate(p, SamplingParams(max_tokens=5, temperature=1.0, top_p=1.0, seed=3 + i))[0].outputs[0].text
+                for p in prompts for i in range(2)]
+    assert [c.text for c in got.choices] == expected and expected[0] != expected[1]
     by_ids = client.completions.create(model="smol", prompt=ids, max_tokens=5, temperature=0)
     by_text = client.completions.create(model="smol", prompt=PROMPT, max_tokens=5, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
-def test_logprobs_shapes(client):
+def test_logprobs_are_the_offline_engine_s(client, offline):
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2)
     comp = client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert "".join(lp.tokens) == comp.choices[0].text
-    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2)
-    assert len(chat.choices[0].logprobs.content) == 3
-    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+    ref = offline.generate(PROMPT, params)[0].outputs[0].logprobs
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref], abs=1e-5)
+    for top, expected in zip(lp.top_logprobs, ref):  # {token text: logprob}, the best two
+        assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in expected.top], abs=1e-5)
+        assert set(top) == {offline.tokenizer.decode([t]) for t, _ in expected.top}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="smol", messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    ref = offline.chat(messages, params)[0].outputs[0].logprobs
+    assert len(content) == 3
+    assert [t.logprob for t in content] == pytest.approx([t.logprob for t in ref], abs=1e-5)
+    for token, expected in zip(content, ref):
+        assert [(t.token, t.logprob) for t in token.top_logprobs] == [
+            (offline.tokenizer.decode([i]), pytest.approx(v, abs=1e-5)) for i, v in expected.top]
 
 
 def test_async_client_concurrent_requests(server, offline):
