@@ -16,7 +16,7 @@ from shardserve.planner.cost_model import Deployment, step_work
 from shardserve.planner.efficiency import Efficiency, calibration_document
 from shardserve.planner.hardware import Hardware
 from shardserve.server.efficiency_metrics import EfficiencyConfig, LiveEfficiency, step_kind
-from tests.server_process import running_server, scrape
+from tests.server_process import running_server, scrape, scrape_many
 
 MODEL = ModelConfig(architecture="llama", vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
@@ -62,9 +62,18 @@ def test_server_exports_efficiency_metrics(tiny_checkpoints, tmp_path):
         body = {"model": str(tiny_checkpoints["llama"]), "prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        assert scrape(url, "shardserve:mfu") > 0
-        assert scrape(url, "shardserve:mbu") > 0
-        assert 0 < scrape(url, "shardserve:cost_per_million_tokens_usd") < math.inf
+        gauges = scrape_many(url, ("shardserve:mfu", "shardserve:mbu", "shardserve:cost_per_million_tokens_usd"))
+        assert 0 < gauges["shardserve:cost_per_million_tokens_usd"] < math.inf
+        # both gauges divide the window's work by its seconds (read microseconds apart) and the
+        # peaks (1e9 each): their ratio is the steps' FLOPs over their bytes, as the planner counts
+        # them for this model
+        config = ModelConfig.from_hf_config(json.loads((tiny_checkpoints["llama"] / "config.json").read_text()))
+        dtype = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["dtype"]
+        dep = Deployment(config, ParallelConfig(), HOST, dtype)
+        works = [step_work(dep, batch) for batch in [((4, 4),)] + [((1, n),) for n in range(5, 10)]]
+        assert gauges["shardserve:mfu"] > 0
+        assert gauges["shardserve:mfu"] / gauges["shardserve:mbu"] == pytest.approx(
+            sum(w.flops for w in works) / sum(w.bytes for w in works), rel=1e-3)
         text = httpx.get(f"{url}/metrics", timeout=5).text
         steps = {}
         for family in text_string_to_metric_families(text):
