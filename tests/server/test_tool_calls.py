@@ -12,7 +12,8 @@ import pytest
 from shardserve.engine.grammar import Grammars
 from shardserve.models.checkpoint import load_checkpoint
 from shardserve.models.tokenizer import load_tokenizer
-from shardserve.request import StructuredOutputs
+from shardserve.request import SamplingParams, StructuredOutputs
+from shardserve.server.protocol import ChatMessage
 from shardserve.server.tool_calls import (FORMATS, ToolCallStream, forced_call_grammar, parse, render_calls,
                                           template_inputs)
 
@@ -166,7 +167,7 @@ def test_forced_tool_calls_whole_and_streamed_are_byte_identical(client, tool_ch
     assert (content, calls, finish) == ("", [(call.function.name, call.function.arguments)], "tool_calls")
 
 
-def test_tool_choice_none_and_a_conversation_with_tool_results(client):
+def test_tool_choice_none_and_a_conversation_with_tool_results(client, offline):
     none = client.chat.completions.create(model="smol", messages=WEATHER, tools=TOOLS, tool_choice="none",
                                           max_tokens=12, temperature=0)
     plain = client.chat.completions.create(model="smol", messages=WEATHER, max_tokens=12, temperature=0)
@@ -177,7 +178,18 @@ def test_tool_choice_none_and_a_conversation_with_tool_results(client):
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "sky": "clear"}'}]
     reply = client.chat.completions.create(model="smol", messages=history, tools=TOOLS, max_tokens=24, temperature=0)
-    assert reply.choices[0].message.content or reply.choices[0].message.tool_calls
+    # the model saw the call and its result: the prompt the server's template path renders from
+    # them, and the greedy reply the offline engine gives to that prompt
+    tokenizer = offline.tokenizer
+    rendered, extra = template_inputs(FORMATS["hermes"], tokenizer.chat_template,
+                                      [ChatMessage(**m).for_template() for m in history], TOOLS)
+    prompt = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra)
+    assert '"sky": "clear"' in prompt and "get_weather" in prompt
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    message = reply.choices[0].message  # (SmolLM2 answers with text here: no call to parse)
+    assert not message.tool_calls and message.content == expected.text
 
 
 @pytest.mark.parametrize("body, param", [
