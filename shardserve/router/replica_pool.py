@@ -73,10 +73,11 @@ class Replica:
         """`outstanding`'s only writer, called by leases (+1 when taken, -1 once when released)."""
         self.outstanding += delta
 
-    def score(self) -> float:
-        """Lower is less loaded: our fresh in-flight count first; the replica's queue (stale)
-        only breaks ties, so a burst cannot herd onto a replica whose scrape is old."""
-        return self.outstanding + 0.01 * (self.load.num_waiting + self.load.kv_usage)
+    def score(self) -> tuple[int, float]:
+        """Lower is less loaded: our fresh in-flight count first; the replica's queue and KV use
+        (stale) only break ties, so a burst cannot herd onto a replica whose scrape is old. (As a
+        sum, in-flight + 0.01 x queue, a queue of 100 had outweighed a request in flight.)"""
+        return self.outstanding, self.load.num_waiting + self.load.kv_usage
 
 
 class ReplicaPool:

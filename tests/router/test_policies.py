@@ -27,8 +27,9 @@ def test_least_outstanding_takes_the_fewest_in_flight_and_breaks_ties_by_load_th
     assert policy.choose(replicas, "").url == "http://r1"  # tie on in-flight and load: by url
     replicas[1].load = LoadSignals(num_waiting=5)
     assert policy.choose(replicas, "").url == "http://r2"  # the replica's own queue breaks the tie
-    replicas[0].outstanding, replicas[0].load = 0, LoadSignals(num_waiting=20, kv_usage=0.9)
-    assert policy.choose(replicas, "").url == "http://r0"  # fresh in-flight counts before stale load
+    replicas[0].outstanding, replicas[0].load = 0, LoadSignals(num_waiting=500, kv_usage=0.9)
+    assert policy.choose(replicas, "").url == "http://r0"  # fresh in-flight counts before stale load,
+    assert PowerOfTwo(seed=1).choose(replicas[:2], "").url == "http://r0"  # however long its queue
 
 
 def test_power_of_two_is_seeded_and_takes_the_less_loaded_of_its_two():

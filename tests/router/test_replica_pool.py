@@ -103,5 +103,5 @@ def test_states_read_as_their_plain_names():
 
 def test_the_score_is_in_flight_first_and_the_scraped_queue_after():
     replica = Replica("http://r0", outstanding=2, load=LoadSignals(num_waiting=3, kv_usage=0.5))
-    assert replica.score() == 2 + 0.01 * 3.5
+    assert replica.score() == (2, 3.5)
     assert replica.saturated(2) and not replica.saturated(3)
