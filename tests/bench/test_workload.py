@@ -49,8 +49,11 @@ def test_sharegpt_like_lengths_bounds_skew_and_means():
     assert sharegpt_like_lengths(10, seed=4) == sharegpt_like_lengths(10, seed=4)
 
 
-def test_poisson_is_gamma_with_burstiness_one():
-    assert poisson_arrivals(100, 5.0, seed=2) == gamma_arrivals(100, 5.0, 1.0, seed=2)
+def test_poisson_gaps_are_exponential():
+    # P(gap > t) = e^(-rate t): at 5 req/s, e^-1 beyond the mean gap of 0.2 s, e^-3 beyond 0.6 s
+    gaps_s = np.diff(poisson_arrivals(40001, 5.0, seed=2))
+    assert gaps_s.mean() == pytest.approx(0.2, rel=0.02)
+    assert [(gaps_s > t).mean() for t in (0.2, 0.6)] == pytest.approx([math.exp(-1), math.exp(-3)], abs=0.008)
 
 
 @pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])

@@ -120,6 +120,26 @@ def test_a_streamed_response_sent_in_full_releases_its_leases():
     assert router.forwarder.num_interactive == 0 and in_flight(router.forwarder) == {"http://r0": 0}
 
 
+def test_a_sampled_stream_without_a_seed_resumes_elsewhere_with_the_seed_it_started_with():
+    """The router seeds a sampled request that has none, so that the replica which resumes it
+    samples the rest exactly as the first would have (a seeded token is a function of seed and
+    position): the resume must carry the first attempt's seed."""
+    replicas = FakeReplicas({"http://r0": stream(break_at=3), "http://r1": stream()})
+    app, _ = router_over(replicas)
+    body = dict(BODY, temperature=0.8, stream=True)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await client.post("/v1/completions", json=body)
+    answer = asyncio.run(scenario())
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in answer.text.split("\n\n") if line.startswith("data: {")]
+    assert "".join(texts) == "t0 t1 t2 t3 t4 t5 "
+    (url0, first), (url1, resume) = replicas.received
+    assert (url0, url1) == ("http://r0", "http://r1") and resume["resume_token_ids"] == [100, 101, 102]
+    assert isinstance(first["seed"], int) and resume["seed"] == first["seed"]
+    assert "seed" not in body  # the client's body is left as it was
+
+
 def test_a_model_is_retrieved_by_id_across_the_fleet():
     replicas = FakeReplicas({"http://r0": held(asyncio.Event()), "http://r1": held(asyncio.Event())})
     app, router = router_over(replicas)
