@@ -17,7 +17,7 @@ import time
 
 from shardserve.dtypes import ALL_DTYPES
 
-_DEFAULT_SLO = "ttft_ms=2000,tpot_ms=200"  # MLPerf's Llama-2-70B server targets (p99 there, means here)
+DEFAULT_SLO = "ttft_ms=2000,tpot_ms=200"  # MLPerf's Llama-2-70B server targets (p99 there, means here)
 
 
 def add_plan_parser(subparsers) -> None:
@@ -35,7 +35,7 @@ def add_plan_parser(subparsers) -> None:
                    help="instead of --qps: clients per replica in a closed loop, as serving benchmarks run")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrivals (as `shardserve bench --burstiness`): 1 Poisson, <1 burstier")
-    p.add_argument("--slo", default=_DEFAULT_SLO, help=f"latency targets (default {_DEFAULT_SLO}; also e2e_ms)")
+    p.add_argument("--slo", default=DEFAULT_SLO, help=f"latency targets (default {DEFAULT_SLO}; also e2e_ms)")
     p.add_argument("--slo-percentile", default="mean", choices=["mean", "p99"],
                    help="what the SLO bounds: the predicted means, or the p99 estimates")
     p.add_argument("--dtype", default="bfloat16", choices=ALL_DTYPES,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import subprocess
 import sys
@@ -11,7 +12,12 @@ import sys
 import pytest
 
 from shardserve.cli import main
-from shardserve.planner.efficiency import CALIBRATION_FORMAT, load_calibration
+from shardserve.bench.stats import parse_slo
+from shardserve.planner.cli_args import DEFAULT_SLO
+from shardserve.planner.efficiency import CALIBRATION_FORMAT, Efficiency, load_calibration
+from shardserve.planner.model_presets import resolve_model
+from shardserve.planner.replica_model import Workload
+from shardserve.planner.search import SearchSpace, search
 from shardserve.profiler.report import CSV_COLUMNS
 
 
@@ -75,11 +81,30 @@ def test_calibration_file_is_current_and_complete(profiled):
     assert eff.calibrated and eff.step_time_mape == pytest.approx(entry["step_time_mape"])
 
 
-def test_plan_reads_the_calibration(profiled, tiny_checkpoints, capsys):
+def _json_number(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # the plan's JSON writes null
+
+
+def test_plan_reads_the_calibration(profiled, tiny_checkpoints, capsys, tmp_path):
+    """The plan runs on the file's factors and peaks: its rows are those of a search with the
+    calibrated Efficiency, not the priors."""
     out, _ = profiled
+    plan_file = tmp_path / "plan.json"
     code = main(["plan", "--model", str(tiny_checkpoints["llama"]), "--hardware", "this host", "--dtype", "float32",
-                 "--calibration", str(out / "calibration.json"), "--qps", "1", "--isl", "32", "--osl", "16"])
+                 "--calibration", str(out / "calibration.json"), "--qps", "1", "--isl", "32", "--osl", "16",
+                 "--json", str(plan_file)])
     text = capsys.readouterr().out
-    assert code in (0, 1)
+    assert code in (0, 1)  # whether a layout meets the default SLO depends on this host's speed
     assert "this host: calibrated (shardserve profile" in text
     assert "uncalibrated" not in text
+    calibration = load_calibration(out / "calibration.json")
+    host, eff = calibration.hardware_for("this host"), calibration.for_device("this host")
+    model, workload, slo = resolve_model(str(tiny_checkpoints["llama"])), Workload(32, 16, 1.0), parse_slo(DEFAULT_SLO)
+
+    def rows(efficiency):  # layout, replicas and the predicted latencies of each ranked row
+        plan = search(model, [(host, efficiency)], workload, slo, "float32", SearchSpace())
+        return [(r.tp, r.pp, r.ep, r.replicas, _json_number(r.ttft_ms), _json_number(r.tpot_ms)) for r in plan.rows]
+    planned = [tuple(r[k] for k in ("tp", "pp", "ep", "replicas", "ttft_ms", "tpot_ms"))
+               for r in json.loads(plan_file.read_text())["rows"]]
+    assert planned == rows(eff)
+    assert planned != rows(Efficiency())
