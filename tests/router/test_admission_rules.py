@@ -84,8 +84,8 @@ def test_batch_work_waits_for_interactive_work_and_keeps_room_for_it():
 
 
 def test_random_traffic_never_admits_batch_work_ahead_of_interactive_work():
-    """Seeded arrivals and ends of both classes: a batch request is admitted only with no
-    interactive request in flight and the fleet below half its capacity, and an interactive
+    """Seeded arrivals and ends of both classes: a batch request is admitted if and only if no
+    interactive request is in flight and the fleet is below half its capacity, and an interactive
     request is refused only when interactive work alone holds the other half."""
     forwarder = make_forwarder(FakeReplicas({"http://r0": answer, "http://r1": answer}), max_outstanding_per_replica=4)
     rng, capacity = random.Random(3), 8
@@ -107,6 +107,8 @@ def test_random_traffic_never_admits_batch_work_ahead_of_interactive_work():
             counts[f"{kind}_refused"] += 1
             if kind == "interactive":
                 assert before_interactive >= capacity - capacity // 2  # never refused for batch work
+            else:  # refused only for interactive work in flight or half the capacity taken
+                assert before_interactive > 0 or before_total >= capacity // 2
             continue
         if kind == "batch":
             assert before_interactive == 0 and before_total < capacity // 2
