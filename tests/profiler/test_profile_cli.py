@@ -19,6 +19,7 @@ from shardserve.planner.model_presets import resolve_model
 from shardserve.planner.replica_model import Workload
 from shardserve.planner.search import SearchSpace, search
 from shardserve.profiler.report import CSV_COLUMNS
+from shardserve.profiler.sweep import QUICK_SWEEP
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,17 @@ def test_csv_has_one_row_per_step_and_the_documented_columns(profiled):
         reader = csv.DictReader(f)
         rows = list(reader)
     assert tuple(reader.fieldnames) == CSV_COLUMNS
+    # one row per point of the quick sweep that fits the tiny model's 512 positions, in order
+    points = QUICK_SWEEP.points(512)
+    assert [(r["label"], int(r["num_seqs"]), int(r["num_tokens"])) for r in rows] == [
+        (p.label, p.num_step_seqs, p.num_step_tokens) for p in points]
     assert {r["kind"] for r in rows} == {"prefill", "decode", "mixed"}
+    hardware = json.loads((out / "calibration.json").read_text())["devices"]["this host"]["hardware"]
+    peak_flop_s, bandwidth = hardware["peak_flop_s"]["float32"], hardware["memory_bandwidth_bytes_s"]
+    for row in rows:  # utilizations: the step's counted work over its time at the recorded peaks
+        total_s = float(row["total_s"])
+        assert float(row["mfu"]) == pytest.approx(float(row["flops"]) / (total_s * peak_flop_s), rel=1e-3)
+        assert float(row["mbu"]) == pytest.approx(float(row["bytes"]) / (total_s * bandwidth), rel=1e-3)
     for row in rows:
         parts = sum(float(row[f"{c}_s"]) for c in ("gemm", "attention", "elementwise", "comm", "sampling", "host"))
         assert parts == pytest.approx(float(row["total_s"]), rel=1e-6)
