@@ -1,5 +1,7 @@
 """Run greedy generation on a (possibly parallel) replica and print one JSON line:
-{"tokens": [[...] per prompt], "logprobs": [[[vocab floats] per generated token] per prompt]}.
+{"tokens": [[...] per prompt], "logprobs": [[[vocab floats] per generated token] per prompt],
+"greedy_tokens": with pp > 1 and tp=1, the same prompts again without logprobs (the last stage's
+argmax), otherwise "tokens" again}.
 
 Used by the multi-rank tests as a subprocess, so that every rank is a fresh process (and, for
 the single-process baseline, in-process through `generate`):
@@ -30,7 +32,12 @@ def generate(model: str, tp: int = 1, pp: int = 1, ep: int = 1, num_micro_batche
              skip_tokenizer_init=model.endswith(".gguf")) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=-1))
         stats = llm.engine.speculator.stats if spec else None
-    result = {"tokens": [], "logprobs": [], "num_draft_tokens": stats.num_draft_tokens if stats else 0,
+        # without logprobs a pipeline's last stage (tp=1) takes its LM head's argmax and sends the
+        # tokens back, never writing the logits (one process: tests/engine/test_engine.py)
+        greedy = outs if tp > 1 or pp == 1 else llm.generate(PROMPTS, SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    result = {"tokens": [], "logprobs": [], "greedy_tokens": [o.outputs[0].token_ids for o in greedy],
+              "num_draft_tokens": stats.num_draft_tokens if stats else 0,
               "num_accepted_tokens": stats.num_accepted_tokens if stats else 0}
     for out in outs:
         completion = out.outputs[0]

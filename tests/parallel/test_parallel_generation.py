@@ -64,7 +64,7 @@ def references(tiny_checkpoints):
 
 
 def assert_same(result: dict, single: dict, hf: dict) -> None:
-    assert result["tokens"] == single["tokens"] == hf["tokens"]
+    assert result["tokens"] == result["greedy_tokens"] == single["tokens"] == hf["tokens"]
     for ours, ref in zip(result["logprobs"], hf["logprobs"]):
         assert relative_error(torch.tensor(ours), torch.tensor(ref)) <= 1e-4
 
