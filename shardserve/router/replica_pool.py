@@ -75,8 +75,8 @@ class Replica:
 
     def score(self) -> tuple[int, float]:
         """Lower is less loaded: our fresh in-flight count first; the replica's queue and KV use
-        (stale) only break ties, so a burst cannot herd onto a replica whose scrape is old. (As a
-        sum, in-flight + 0.01 x queue, a queue of 100 had outweighed a request in flight.)"""
+        (stale) only break ties, so a burst cannot herd onto a replica whose scrape is old. A pair,
+        not a weighted sum: under any weight a long enough queue outweighs a request in flight."""
         return self.outstanding, self.load.num_waiting + self.load.kv_usage
 
 
