@@ -380,8 +380,6 @@ def main() -> None:
     args = parser.parse_args()
 
     from shardserve.bench.cli_args import format_result
-    from shardserve.bench.stats import LoadLevel
-    from shardserve.sim.simulation import simulate
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -392,9 +390,8 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")] if args.rates else None
     calibrated = Calibrated(saved, args.dtype)
     measured, rates, http_delay_s, level_costs, capacity, step_ratios = measure(calibrated, rates, args.num_requests)
-    # each level on its own simulated server, with the step costs probed just before it
-    simulated = [simulate(sim_config(calibrated, http_delay_s / 2, http_delay_s / 2, costs),
-                          [(LoadLevel(None, rate), workload(rate, i, args.num_requests))])[0]
+    # each level on its own simulated server, with the step costs probed around it
+    simulated = [simulate_level(calibrated, i, rate, http_delay_s, costs, args.num_requests)
                  for i, (rate, costs) in enumerate(zip(rates, level_costs))]
 
     print("\n--- measured (shardserve serve + bench client) ---")
@@ -403,10 +400,9 @@ def main() -> None:
     print("\n".join(format_result(r) for r in simulated))
     errors: dict[str, float] = {}
     print(f"\n{'level':<6}{'metric':<14}{'measured':>12}{'simulated':>12}{'rel. error':>12}")
-    for name, rate, real, sim in zip(LEVEL_NAMES, rates, measured, simulated):
+    for name, real, sim in zip(LEVEL_NAMES, measured, simulated):
         real_m, sim_m = metrics_of(real), metrics_of(sim)
-        for metric in METRICS:
-            error = abs(sim_m[metric] - real_m[metric]) / real_m[metric]
+        for metric, error in level_errors(real, sim).items():
             errors[f"{name}_{metric}_error"] = round(error, 4)
             print(f"{name:<6}{metric:<14}{real_m[metric]:>12.2f}{sim_m[metric]:>12.2f}{error:>12.1%}")
     for name, ratios in zip(LEVEL_NAMES, step_ratios):
@@ -441,17 +437,28 @@ def trace_speed_errors(calibrated: Calibrated, rates, http_delay_s: float, level
     own measured / step-clock ratios, i.e. at the speed the server actually ran the level (the
     per-sequence cost as probed). What is left is the simulated schedule's error; the difference
     from the real errors is what the host's drift between the probes and the level costs."""
-    from shardserve.bench.stats import LoadLevel
-    from shardserve.sim.simulation import simulate
-
     errors = []
     for i, (rate, costs, ratios, real) in enumerate(zip(rates, level_costs, step_ratios, measured)):
         costs = (costs[0] * ratios["decode"], costs[1] * ratios["prompt"], costs[2])
-        sim, = simulate(sim_config(calibrated, http_delay_s / 2, http_delay_s / 2, costs),
-                        [(LoadLevel(None, rate), workload(rate, i, num_requests))])
-        real_m, sim_m = metrics_of(real), metrics_of(sim)
-        errors += [abs(sim_m[m] - real_m[m]) / real_m[m] for m in METRICS]
+        errors += level_errors(real, simulate_level(calibrated, i, rate, http_delay_s, costs, num_requests)).values()
     return errors
+
+
+def simulate_level(calibrated: Calibrated, level_index: int, rate: float, http_delay_s: float,
+                   costs: tuple[float, float, float], num_requests: int):
+    """One level's trace on its own simulated server, with these step costs."""
+    from shardserve.bench.stats import LoadLevel
+    from shardserve.sim.simulation import simulate
+
+    sim, = simulate(sim_config(calibrated, http_delay_s / 2, http_delay_s / 2, costs),
+                    [(LoadLevel(None, rate), workload(rate, level_index, num_requests))])
+    return sim
+
+
+def level_errors(real, sim) -> dict[str, float]:
+    """|simulated - measured| / measured of each metric."""
+    real_m, sim_m = metrics_of(real), metrics_of(sim)
+    return {m: abs(sim_m[m] - real_m[m]) / real_m[m] for m in METRICS}
 
 
 def _calibration_mape(path: Path) -> float | None:

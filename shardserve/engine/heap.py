@@ -35,18 +35,18 @@ def _libc():
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def heap_for_loading() -> bool:
-    """Blocks of 64 KiB and up bypass the heap from now on; False where not glibc."""
+def heap_for_loading() -> None:
+    """Blocks of 64 KiB and up bypass the heap from now on (nothing where not glibc)."""
     libc = _libc()
-    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD))
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
 
 
-def heap_for_serving() -> bool:
+def heap_for_serving() -> None:
     """Hand the loader's freed heap back to the system, then let steps reuse heap memory for blocks
-    up to 32 MiB and keep up to 64 MiB freed at the heap's top; False where not glibc."""
+    up to 32 MiB and keep up to 64 MiB freed at the heap's top (nothing where not glibc)."""
     libc = _libc()
-    if libc is None:
-        return False
-    libc.malloc_trim(0)
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, SERVING_MMAP_THRESHOLD)
-                and libc.mallopt(M_TRIM_THRESHOLD, SERVING_TRIM_THRESHOLD))
+    if libc is not None:
+        libc.malloc_trim(0)
+        libc.mallopt(M_MMAP_THRESHOLD, SERVING_MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, SERVING_TRIM_THRESHOLD)
