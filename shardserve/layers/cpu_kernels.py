@@ -95,7 +95,8 @@ def load_paged_decode_attention():
 def load_paged_prefill_attention(dtype, head_dim: int):
     """`paged_prefill_attention(q, k_cache, v_cache, block_table, query_starts, query_lens,
     context_lens, scale, out)` (writes the chunks' rows of `out`) for `dtype` and `head_dim`, or
-    None: no toolchain, or a CPU or shape the kernel does not cover (it needs AVX-512)."""
+    None: no toolchain, or a CPU or shape the kernel does not cover (it needs AVX-512, or AVX2
+    with head_dim a multiple of 8)."""
     module = _load("paged_prefill_attention")
     return None if module is None or not module.supported(dtype, head_dim) else module.paged_prefill_attention
 

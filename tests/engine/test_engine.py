@@ -68,7 +68,9 @@ def test_greedy_tokens_without_logits_are_those_of_the_logits():
     llm = LLM("smollm2", dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20, max_model_len=256,
               show_progress=False)
     head = llm.engine.runner.model.lm_head.packed
-    assert not isinstance(head, BlockWeight) and head.fused
+    assert not isinstance(head, BlockWeight)
+    if not head.fused:
+        pytest.skip("this build has no fused epilogues (AVX2)")
     prompts = ["The capital of France is", "def fib(n):", "1, 2, 3,", "Once upon a time"]
     fused = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     via_logits = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))

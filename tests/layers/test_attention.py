@@ -110,7 +110,7 @@ def test_native_decode_matches_torch_path(dtype, tol, heads, kv_heads, dim):
 
 def _native_prefill(dtype, dim):
     return pytest.mark.skipif(load_paged_prefill_attention(dtype, dim) is None,
-                              reason="the native prefill kernel needs AVX-512 and a C++ toolchain")
+                              reason="the native prefill kernel needs AVX-512 or AVX2 and a C++ toolchain")
 
 
 @pytest.mark.parametrize("dtype, tol, dim", [

@@ -4,13 +4,16 @@
                         (csrc/fused_elementwise.cpp; rounds as apply_rotary + write_kv do)
     decodes             one native call for the whole batch, reading keys and values in place
                         from the block pool: no gather, no padding (csrc/paged_decode_attention.cpp)
-    prefill chunks      with AVX-512, one native call for every chunk, keys and values read in
-                        place as the decodes' are (csrc/paged_prefill_attention.cpp: 1.6-2.4x
-                        SDPA's speed at 128-1,024 tokens); elsewhere the reference path's SDPA
+    prefill chunks      with AVX-512 or AVX2, one native call for every chunk, keys and values
+                        read in place as the decodes' are (csrc/paged_prefill_attention.cpp: with
+                        AVX-512 1.6-2.4x SDPA's speed at 128-1,024 tokens); elsewhere the
+                        reference path's SDPA
 
-With AVX-512 both native kernels run one arithmetic per query row (csrc/attention_rows.h): a
-token's output has the same bits whether a decode step or a prefill (a resumed request, a
-prefix-cache hit, a later chunk) computed it.
+Both native kernels run one arithmetic per query row (csrc/attention_rows.h with AVX-512,
+csrc/attention_avx2.h with AVX2 only): a token's output has the same bits whether a decode step or
+a prefill (a resumed request, a prefix-cache hit, a later chunk) computed it. Where SDPA prefills,
+it does not, and quantized linears (GGUF blocks quantize their inputs to 8 bits) turn that last-bit
+difference into different tokens.
 """
 from __future__ import annotations
 

@@ -38,6 +38,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include "vector_math.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -273,8 +275,122 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
   }
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out + t * kGroupRows, acc[t]);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// AVX2 (CPUs without AVX-512): a block's 16 rows as two halves of 8 lanes, one pass over the
+// group each. vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, exact here: the
+// 4-bit quants (0..15) by xq sum to at most 3,810 a pair, four registers' pairs to 15,240; Q6_K's
+// (0..63) to 16,002 a pair, widened at once; Q8_0 enters signed (its stored q + 128 back to q)
+// as |q| times xq with q's sign, at most 32,258 a pair. So each block dot is the exact int32 the
+// VNNI path forms (Q8_0 without the 128 sx it takes off), and the float operations are its own,
+// lane by lane: the same bits.
+inline __m256 load_halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load_signed_bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// the VNNI path's block_vectors for the 8 rows of half h
+template <int64_t F>
+inline const uint8_t* block_vectors8(const uint8_t* wg, int64_t b, int h, __m256& d, __m256& m) {
+  const BlockParts parts = block_parts(F, wg, b);
+  d = load_halves8(parts.d + 16 * h);
+  if constexpr (F == kQ4_1) m = load_halves8(parts.m + 16 * h);
+  if constexpr (F == kQ4_K) {
+    m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(load_halves8(parts.m + 16 * h), load_bytes8(parts.scales + 16 + 8 * h)));
+    d = _mm256_mul_ps(d, load_bytes8(parts.scales + 8 * h));
+  }
+  if constexpr (F == kQ6_K) {
+    m = _mm256_mul_ps(d, load_signed_bytes8(parts.scales + 16 + 8 * h));
+    d = _mm256_mul_ps(d, load_signed_bytes8(parts.scales + 8 * h));
+  }
+  return parts.qs;
+}
+
+template <int64_t F, int NT>
+inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out) {
+  constexpr int32_t offset = F == kQ4_0 ? 8 : 0;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      __m256 d, m;
+      const uint8_t* qs = block_vectors8<F>(wg, b, h, d, m);
+      __m256i w[8];  // Q8_0: |q|, its sign in sign[]
+      __m256i sign[F == kQ8_0 ? 8 : 1];
+      if constexpr (F == kQ8_0) {
+        for (int j = 0; j < 8; ++j) {
+          sign[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * j + 32 * h)),
+                                     _mm256_set1_epi8(static_cast<char>(0x80)));
+          w[j] = _mm256_abs_epi8(sign[j]);
+        }
+      } else {
+        for (int k = 0; k < 4; ++k) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 64 * k + 32 * h));
+          w[k] = _mm256_and_si256(v, low);
+          w[4 + k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        if constexpr (F == kQ6_K) {  // the high 2 bits, into bits 4-5
+          const __m256i top = _mm256_set1_epi8(0x30);
+          for (int p = 0; p < 2; ++p) {
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 256 + 64 * p + 32 * h));
+            w[4 * p + 0] = _mm256_or_si256(w[4 * p + 0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+            w[4 * p + 1] = _mm256_or_si256(w[4 * p + 1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+            w[4 * p + 2] = _mm256_or_si256(w[4 * p + 2], _mm256_and_si256(hb, top));
+            w[4 * p + 3] = _mm256_or_si256(w[4 * p + 3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+          }
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const int64_t n = n0 + t;
+        const int8_t* xb = x.xq + n * x.in + b * kBlock;
+        auto xw = [xb](int j) {
+          int32_t v;
+          std::memcpy(&v, xb + 4 * j, 4);
+          return _mm256_set1_epi32(v);
+        };
+        auto pairs = [&](int j) {  // int16 pairs of w[j] x the 4 activation bytes of register j
+          if constexpr (F == kQ8_0) return _mm256_maddubs_epi16(w[j], _mm256_sign_epi8(xw(j), sign[j]));
+          else return _mm256_maddubs_epi16(w[j], xw(j));
+        };
+        auto half_dot = [&](int j0) {  // the int32 dot of inputs 4 j0 .. 4 j0 + 15 (registers j0 .. j0 + 3)
+          if constexpr (F == kQ8_0 || F == kQ6_K) {
+            __m256i s = _mm256_madd_epi16(pairs(j0), ones);
+            for (int j = j0 + 1; j < j0 + 4; ++j) s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs(j), ones));
+            return s;
+          } else {
+            const __m256i p = _mm256_add_epi16(_mm256_add_epi16(pairs(j0), pairs(j0 + 1)),
+                                               _mm256_add_epi16(pairs(j0 + 2), pairs(j0 + 3)));
+            return _mm256_madd_epi16(p, ones);
+          }
+        };
+        __m256i s0 = half_dot(0), s1 = half_dot(4);
+        const float dx = x.dx[n * x.blocks + b];
+        const int32_t* sxh = x.sx + 2 * (n * x.blocks + b);
+        const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(dx));
+        if constexpr (F == kQ6_K) {
+          s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * sxh[0]));
+          s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * sxh[1]));
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), ddx, acc[t]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(m, _mm256_set1_ps(dx)), acc[t]);
+          continue;
+        }
+        const int32_t sx = sxh[0] + sxh[1];
+        __m256i s = _mm256_add_epi32(s0, s1);
+        if constexpr (offset != 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(offset * sx));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), ddx, acc[t]);
+        if constexpr (has_min(F)) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * static_cast<float>(sx)), acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + t * kGroupRows + 8 * h, acc[t]);
+  }
+}
 #else
-// a CPU without AVX512-VNNI: the same exact block dots and the same float operations, lane by lane
+// a CPU without AVX512-VNNI or AVX2: the same exact block dots and the same float operations, lane by lane
 template <int64_t F, int NT>
 inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out) {
   constexpr int32_t offset = F == kQ4_0 ? 8 : (F == kQ8_0 ? 128 : 0);

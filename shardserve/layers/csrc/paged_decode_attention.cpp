@@ -8,9 +8,9 @@
 // arithmetic the prefill kernel runs for the same token, so a token decoded here and one
 // recomputed by a prefill (a resumed request) get the same bits. The next block's keys and values
 // are prefetched while one is used, and a thread's next item's keys while it reads this item's
-// values (the cache reads come from DRAM at decode batch sizes). With
-// AVX2 (head_dim a multiple of 8) a kernel on 8 lanes, otherwise a portable loop, does the same
-// math in another order (there is no native prefill kernel to match on such CPUs).
+// values (the cache reads come from DRAM at decode batch sizes). With AVX2 and no AVX-512 (head_dim
+// a multiple of 8) an item is attention_avx2::attend_one, again the arithmetic the prefill kernel
+// runs on such CPUs; otherwise a portable loop does the same math in another order.
 //
 //   q            [B, H, D]                 (float32 or bfloat16, contiguous)
 //   k/v cache    [KV, num_blocks, bs, D]   (same dtype, contiguous)
@@ -32,6 +32,7 @@
 #if defined(__AVX512F__)
 #include "attention_rows.h"
 #endif
+#include "attention_avx2.h"
 
 namespace {
 
@@ -95,129 +96,15 @@ void attend_one_portable(const T* q, const T* k_cache, const T* v_cache, const i
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// The cache block's lines on their way to L2 while the one before is used (as attention_rows.h)
-inline void prefetch_block(const void* block, int64_t num_bytes) {
-  const char* p = static_cast<const char*>(block);
-  for (int64_t i = 0; i < num_bytes; i += 64) __builtin_prefetch(p + i, 0, 2);  // prefetcht1
-}
-
-// s[g * s_stride + t] = q_g . keys[t] for t < n, for GN query heads (qf: q * scale, float32)
-template <int GN, typename T>
-inline void score_keys8(const T* keys, int64_t n, int64_t head_dim, const float* qf, float* s, int64_t s_stride) {
-  for (int64_t t = 0; t < n; ++t) {
-    __m256 dot[GN];
-    for (int g = 0; g < GN; ++g) dot[g] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < head_dim; c += 8) {
-      const __m256 k = load8(keys + t * head_dim + c);
-      for (int g = 0; g < GN; ++g) dot[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + c), k, dot[g]);
-    }
-    for (int g = 0; g < GN; ++g) s[g * s_stride + t] = reduce_add8(dot[g]);
-  }
-}
-
-// acc[g][:] += sum over t < n of p[g * p_stride + t] * values[t][:], for GN query heads
-template <int GN, typename T>
-inline void accumulate_values8(const T* values, int64_t n, int64_t head_dim, const float* p, int64_t p_stride,
-                               float* acc) {
-  for (int64_t c = 0; c < head_dim; c += 8) {
-    __m256 a[GN];
-    for (int g = 0; g < GN; ++g) a[g] = _mm256_loadu_ps(acc + g * head_dim + c);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 v = load8(values + t * head_dim + c);
-      for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * p_stride + t]), v, a[g]);
-    }
-    for (int g = 0; g < GN; ++g) _mm256_storeu_ps(acc + g * head_dim + c, a[g]);
-  }
-}
-
-// Softmax numerators of s[0, n) in place (e^(s - max)); returns 1 / their sum.
-inline float softmax_numerators8(float* s, int64_t n) {
-  __m256 vmax = _mm256_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
-  float max_score = reduce_max8(vmax);
-  for (int64_t i = t; i < n; ++i) max_score = std::max(max_score, s[i]);
-  const __m256 vm = _mm256_set1_ps(max_score);
-  __m256 vsum = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= n; t += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
-    _mm256_storeu_ps(s + t, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  if (t < n) {
-    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - t)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(s + t, tail), vm));
-    _mm256_maskstore_ps(s + t, tail, e);
-    vsum = _mm256_add_ps(vsum, _mm256_and_ps(e, _mm256_castsi256_ps(tail)));
-  }
-  return 1.f / reduce_add8(vsum);
-}
-
-// The same computation as attend_one_portable, for head_dim % 8 == 0; the next cache block is
-// prefetched while this one is used.
-template <typename T>
-void attend_one_avx2(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
-                     int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
-                     float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf) {
-  const int64_t block_elems = block_size * head_dim, n_blocks = (context_len + block_size - 1) / block_size;
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  const T* k_base = k_cache + kv_head * num_blocks * block_elems;
-  const T* v_base = v_cache + kv_head * num_blocks * block_elems;
-  for (int64_t i = 0; i < group * head_dim; i += 8)
-    _mm256_storeu_ps(&qf[i], _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
-  const int64_t padded = n_blocks * block_size;
-  scores.resize(group * padded);
-  prefetch_block(k_base + table[0] * block_elems, block_bytes);
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    if (b + 1 < n_blocks) prefetch_block(k_base + table[b + 1] * block_elems, block_bytes);
-    else prefetch_block(v_base + table[0] * block_elems, block_bytes);
-    const T* keys = k_base + table[b] * block_elems;
-    const int64_t n = std::min(block_size, context_len - b * block_size);
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      float* s = &scores[g0 * padded + b * block_size];
-      const float* qg = &qf[g0 * head_dim];
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 1: score_keys8<1>(keys, n, head_dim, qg, s, padded); break;
-        case 2: score_keys8<2>(keys, n, head_dim, qg, s, padded); break;
-        case 3: score_keys8<3>(keys, n, head_dim, qg, s, padded); break;
-        default: score_keys8<4>(keys, n, head_dim, qg, s, padded); break;
-      }
-    }
-  }
-  std::vector<float> inv_sums(group);
-  for (int64_t g = 0; g < group; ++g) inv_sums[g] = softmax_numerators8(&scores[g * padded], context_len);
-  acc.assign(group * head_dim, 0.f);
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    if (b + 1 < n_blocks) prefetch_block(v_base + table[b + 1] * block_elems, block_bytes);
-    const T* values = v_base + table[b] * block_elems;
-    const int64_t n = std::min(block_size, context_len - b * block_size);
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const float* p = &scores[g0 * padded + b * block_size];
-      float* a = &acc[g0 * head_dim];
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 1: accumulate_values8<1>(values, n, head_dim, p, padded, a); break;
-        case 2: accumulate_values8<2>(values, n, head_dim, p, padded, a); break;
-        case 3: accumulate_values8<3>(values, n, head_dim, p, padded, a); break;
-        default: accumulate_values8<4>(values, n, head_dim, p, padded, a); break;
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv_sums[g]);
-}
-#endif
-
 template <typename T>
 void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
                 int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
                 float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf,
                 std::vector<float>& tile) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if (head_dim % 8 == 0) {
-    attend_one_avx2<T>(q, k_cache, v_cache, table, context_len, kv_head, num_blocks, block_size, group, head_dim,
-                       scale, out, scores, acc, qf);
+  if (attention_avx2::supported(head_dim)) {
+    attention_avx2::attend_one<T>(q, k_cache, v_cache, table, context_len, kv_head, num_blocks, block_size, group,
+                                  head_dim, scale, out, scores, acc, qf);
     return;
   }
 #endif

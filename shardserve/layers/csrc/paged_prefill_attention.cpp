@@ -1,4 +1,4 @@
-// Paged prefill attention on CPU (AVX-512): the causal attention of prefill chunks, keys and values
+// Paged prefill attention on CPU (AVX-512, or AVX2 below): the causal attention of prefill chunks, keys and values
 // read from the block pool, where the chunk's own keys were stored just before (so a prefix-cache
 // hit or an earlier chunk costs nothing extra: no gather copy, no mask tensor).
 //
@@ -13,6 +13,9 @@
 //     this kernel or the decode kernel computed it (a resumed request continues exactly).
 //   - With AMX (bf16) and `tiles`, both products run on tiles instead (pack_keys_panel and
 //     below): faster on such CPUs, but the tiles' sums are not the decode kernel's.
+// Without AVX-512 but with AVX2 (head_dim a multiple of 8), each (token, kv head) is the decode
+// kernel's item on such CPUs, attention_avx2::attend_one at the token's position: keys are read
+// once per token instead of once per tile, and a token's output has the decode kernel's bits.
 //
 //   q            [T, H, D]                      (float32 or bfloat16, contiguous)
 //   k/v cache    [KV, num_blocks, bs, D]        (same dtype, contiguous)
@@ -30,11 +33,14 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include "vector_math.h"
+#endif
+#if defined(__AVX512F__)
 #include "attention_rows.h"
 #endif
+#include "attention_avx2.h"
 #include "amx_panel.h"
 
 namespace {
@@ -318,11 +324,54 @@ void run_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 
 #endif  // __AVX512F__
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Every (chunk token, kv head) item through the decode kernel's arithmetic at the token's position,
+// the threads taking the costliest item not yet taken (the tokens latest in their contexts first).
+template <typename T>
+void run_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+              const at::Tensor& query_starts, const at::Tensor& query_lens, const at::Tensor& context_lens, float scale,
+              at::Tensor& out) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t* lens = query_lens.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  struct Item {
+    int64_t chunk, token, position;
+  };
+  std::vector<Item> items;
+  for (int64_t c = 0; c < block_table.size(0); ++c)
+    for (int64_t t = 0; t < lens[c]; ++t) items.push_back({c, t, ctx[c] - lens[c] + t});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.position > b.position; });
+  const int64_t num_items = static_cast<int64_t>(items.size()) * num_kv_heads;
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  std::atomic<int64_t> next_item{0};
+  const T* q_ptr = q.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, qf(group * head_dim);
+    for (int64_t w = begin; w < end; ++w)
+      for (int64_t i = next_item++; i < num_items; i = next_item++) {
+        const Item& item = items[i / num_kv_heads];
+        const int64_t kv_head = i % num_kv_heads;
+        const int64_t offset = ((starts[item.chunk] + item.token) * num_heads + kv_head * group) * head_dim;
+        attention_avx2::attend_one<T>(q_ptr + offset, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                                      table + item.chunk * max_blocks, item.position + 1, kv_head, num_blocks,
+                                      block_size, group, head_dim, scale, out_ptr + offset, scores, acc, qf);
+      }
+  });
+}
+#endif
+
 }  // namespace
 
 bool supported(at::ScalarType dtype, int64_t head_dim) {
 #if defined(__AVX512F__)
   return (dtype == at::kFloat || dtype == at::kBFloat16) && attention_rows::supported(head_dim);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && attention_avx2::supported(head_dim);
 #else
   return false;
 #endif
@@ -351,6 +400,13 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
     run_rows<float>(q, k_cache, v_cache, table, starts, lens, ctx, static_cast<float>(scale), out);
   else
     run_rows<c10::BFloat16>(q, k_cache, v_cache, table, starts, lens, ctx, static_cast<float>(scale), out);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const auto table = block_table.contiguous(), starts = query_starts.contiguous(), lens = query_lens.contiguous(),
+             ctx = context_lens.contiguous();
+  if (q.scalar_type() == at::kFloat)
+    run_avx2<float>(q, k_cache, v_cache, table, starts, lens, ctx, static_cast<float>(scale), out);
+  else
+    run_avx2<c10::BFloat16>(q, k_cache, v_cache, table, starts, lens, ctx, static_cast<float>(scale), out);
 #endif
 }
 
