@@ -246,17 +246,19 @@ def measure_this_host(dtype: str = "bfloat16", device: str | None = None, matmul
     size = matmul_size
     a = torch.randn(size, size, device=device).to(torch_dtype)
     b = torch.randn(size, size, device=device).to(torch_dtype)
-    flop_s = 2 * size**3 / best_time_s(lambda: torch.mm(a, b))
+    packed = None
     if device == "cpu":
-        # The engine's linears run on prepacked weights (our panel kernel on AVX-512 CPUs, else
-        # oneDNN's layout), up to 2.4x faster than torch.mm's path (470 vs 200 GFLOP/s in float32
-        # on the 2-core dev VM): time that path too, or the "peak" sits below what the engine
-        # reaches.
+        # The engine's linears run on prepacked weights (our panel kernel where the CPU has one for
+        # the dtype, else oneDNN's layout): time the engine's path. torch.mm's is up to 2.4x slower
+        # (200 vs 470 GFLOP/s in float32 on the 2-core dev VM), and in bf16 on a CPU without bf16
+        # instructions 100x slower (1 GFLOP/s: 9 s of a server's start on such a host).
         from shardserve.layers.linear import prepack_weight
 
         packed = prepack_weight(b)
-        if packed is not None:
-            flop_s = max(flop_s, 2 * size**3 / best_time_s(lambda: packed.linear(a, None)))
+    if packed is not None:
+        flop_s = 2 * size**3 / best_time_s(lambda: packed.linear(a, None))
+    else:
+        flop_s = 2 * size**3 / best_time_s(lambda: torch.mm(a, b))
     src = torch.ones(num_copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_bytes_s = 2 * num_copy_bytes / best_time_s(lambda: dst.copy_(src))
@@ -269,7 +271,7 @@ def measure_this_host(dtype: str = "bfloat16", device: str | None = None, matmul
         memory_bandwidth_bytes_s=copy_bytes_s, intra_node_bandwidth_bytes_s=0.0, intra_node_latency_s=0.0,
         inter_node_bandwidth_bytes_s=0.0, inter_node_latency_s=0.0, devices_per_node=1, power_w=0.0,
         price_per_hour_usd=0.0,
-        sources=(f"measured on {device}: the faster of torch.mm and the prepacked linear at {size}^3, "
+        sources=(f"measured on {device}: {'the prepacked linear' if packed is not None else 'torch.mm'} at {size}^3, "
                  f"and a {num_copy_bytes / 2**20:g} MiB copy",),
         notes="measured peaks are achieved figures, so efficiency factors near 1 apply",
     )

@@ -1,5 +1,7 @@
 // Linear layer on x86 CPUs: y [M, N] = x [M, K] W^T (+ bias), float32 sums; with AVX-512,
-// bfloat16 (with AVX512-BF16) or float32 in and out; with only AVX2 and FMA, float32.
+// bfloat16 (with AVX512-BF16) or float32 in and out; with only AVX2 and FMA, float32 or bfloat16
+// (each bf16 widened to float32 in registers: no bf16 arithmetic there, where oneDNN's bf16
+// matmul ran at ~5 GFLOP/s).
 //
 // At decode batch sizes (M of 1-64 rows) every weight byte is used M times and then not again
 // until the next step: the weights stream from DRAM, and a layer's matmul is short enough that
@@ -24,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -126,12 +129,64 @@ inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, 
 }
 
 #elif defined(SHARDSERVE_PANEL_KERNEL)
-// AVX2: one block of R rows against one 16-column panel, float32 only. Per k: two 32-byte weight
+// AVX2: one block of R rows against one 16-column panel. float32: per k, two 32-byte weight
 // loads, one broadcast per row, two multiply-adds per row (each a single rounding, as AVX-512's).
+// bfloat16 (kw = 2): per k pair, the same two loads hold both k values of the 16 columns; each
+// is widened to float32 exactly (its bits moved up 16) and the pair's two products are added in
+// k order, then the result is rounded to bf16 once, as torch rounds.
+template <int R>
+inline void panel_rows_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t ksteps,
+                            const float* bias, c10::BFloat16* y, int64_t ldy, int64_t cols,
+                            const c10::BFloat16* prefetch) {
+  __m256 acc[R][2];
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = b0;
+    acc[r][1] = b1;
+  }
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // a bf16 pair per 32-bit lane
+  const int64_t ldx_pairs = ldx / 2;
+  for (int64_t p = 0; p < ksteps; ++p) {
+    const c10::BFloat16* w = panel + p * 2 * kPanel;
+    const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kPanel));
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanel), _MM_HINT_T0);
+    }
+    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw0, 16));
+    const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(raw0, high));
+    const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(raw1, 16));
+    const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(raw1, high));
+    for (int r = 0; r < R; ++r) {
+      const __m256i xb = _mm256_set1_epi32(xp[r * ldx_pairs + p]);
+      const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16));
+      const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(xb, high));
+      acc[r][0] = _mm256_fmadd_ps(xo, odd0, _mm256_fmadd_ps(xe, even0, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(xo, odd1, _mm256_fmadd_ps(xe, even1, acc[r][1]));
+    }
+  }
+  alignas(32) c10::BFloat16 out[kPanel];
+  for (int r = 0; r < R; ++r) {
+    if (cols == kPanel) {
+      store8(y + r * ldy, acc[r][0]);
+      store8(y + r * ldy + 8, acc[r][1]);
+      continue;
+    }
+    store8(out, acc[r][0]);  // the last panel of a layer whose N is not a multiple of 16
+    store8(out + 8, acc[r][1]);
+    std::copy(out, out + cols, y + r * ldy);
+  }
+}
+
 template <typename T, int R>
 inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, const float* bias, T* y,
                        int64_t ldy, int64_t cols, const T* prefetch) {
-  static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    panel_rows_bf16<R>(x, ldx, panel, ksteps, bias, y, ldy, cols, prefetch);
+    return;
+  } else {
   __m256 acc[R][2];
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -167,6 +222,7 @@ inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, 
   for (int r = 0; r < R; ++r) {
     _mm256_maskstore_ps(y + r * ldy, m0, acc[r][0]);
     _mm256_maskstore_ps(y + r * ldy + 8, m1, acc[r][1]);
+  }
   }
 }
 #endif
@@ -391,7 +447,7 @@ at::Tensor run_linear_amx(const at::Tensor& x, const at::Tensor& packed, const f
 }  // namespace
 
 bool supported(at::ScalarType dtype) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(SHARDSERVE_PANEL_KERNEL) && !defined(__AVX512F__))
   if (dtype == at::kBFloat16) return true;
 #endif
 #if defined(SHARDSERVE_PANEL_KERNEL)
@@ -430,7 +486,7 @@ at::Tensor dispatch(const at::Tensor& x, const at::Tensor& packed, const float* 
 #if defined(SHARDSERVE_AMX)
   if (amx::permitted()) return run_linear_amx<E>(x, packed, bias, n);
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(SHARDSERVE_PANEL_KERNEL) && !defined(__AVX512F__))
   return run_linear<c10::BFloat16, E>(x, packed, bias, n);
 #endif
   TORCH_CHECK(false, "linear: this build has no kernel for this dtype");
