@@ -1,6 +1,6 @@
-// Paged prefill attention on CPU (AVX-512, or AVX2 below): the causal attention of prefill chunks, keys and values
-// read from the block pool, where the chunk's own keys were stored just before (so a prefix-cache
-// hit or an earlier chunk costs nothing extra: no gather copy, no mask tensor).
+// Paged prefill attention on CPU (AVX-512, or AVX2 below): the causal attention of prefill chunks,
+// keys and values read from the block pool, where the chunk's own keys were stored just before (so
+// a prefix-cache hit or an earlier chunk costs nothing extra: no gather copy, no mask tensor).
 //
 // Work is cut into tiles of one chunk's query tokens x one kv head: the G query heads sharing the
 // kv head and QT tokens make a tile's R = G * QT query rows (QT = 96 / G), so each key and value

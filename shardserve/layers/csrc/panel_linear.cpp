@@ -152,9 +152,7 @@ inline void panel_rows_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFlo
     const c10::BFloat16* w = panel + p * 2 * kPanel;
     const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kPanel));
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanel), _MM_HINT_T0);
-    }
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanel), _MM_HINT_T0);
     const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw0, 16));
     const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(raw0, high));
     const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(raw1, 16));
@@ -180,13 +178,9 @@ inline void panel_rows_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFlo
   }
 }
 
-template <typename T, int R>
-inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, const float* bias, T* y,
-                       int64_t ldy, int64_t cols, const T* prefetch) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    panel_rows_bf16<R>(x, ldx, panel, ksteps, bias, y, ldy, cols, prefetch);
-    return;
-  } else {
+template <int R>
+inline void panel_rows_float(const float* x, int64_t ldx, const float* panel, int64_t ksteps, const float* bias,
+                             float* y, int64_t ldy, int64_t cols, const float* prefetch) {
   __m256 acc[R][2];
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -223,7 +217,15 @@ inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, 
     _mm256_maskstore_ps(y + r * ldy, m0, acc[r][0]);
     _mm256_maskstore_ps(y + r * ldy + 8, m1, acc[r][1]);
   }
-  }
+}
+
+template <typename T, int R>
+inline void panel_rows(const T* x, int64_t ldx, const T* panel, int64_t ksteps, const float* bias, T* y,
+                       int64_t ldy, int64_t cols, const T* prefetch) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    panel_rows_bf16<R>(x, ldx, panel, ksteps, bias, y, ldy, cols, prefetch);
+  else
+    panel_rows_float<R>(x, ldx, panel, ksteps, bias, y, ldy, cols, prefetch);
 }
 #endif
 
