@@ -82,8 +82,8 @@ inline float softmax_numerators8(float* s, int64_t n) {
 // next cache block is prefetched while this one is used.
 template <typename T>
 void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
-                     int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim,
-                     float scale, T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf) {
+                int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t group, int64_t head_dim, float scale,
+                T* out, std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& qf) {
   const int64_t block_elems = block_size * head_dim, n_blocks = (context_len + block_size - 1) / block_size;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   const T* k_base = k_cache + kv_head * num_blocks * block_elems;
