@@ -13,7 +13,7 @@ from shardserve.models.flat_layers import DecodeStack
 from tests.layers.test_block_quant import QType, _tiny_gguf
 
 pytestmark = pytest.mark.skipif(load_add_rms_norm() is None, reason="needs the native CPU kernels")
-# the loop covers weights a native kernel multiplies: bf16 ones have none on a CPU without AVX-512
+# the loop covers weights a native kernel multiplies: bf16 ones only where the panel kernel takes bf16
 DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(load_panel_linear(torch.bfloat16) is None,
                                                             reason="no bf16 panel kernel on this CPU")), "float32"]
 
