@@ -276,8 +276,8 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out + t * kGroupRows, acc[t]);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// AVX2 (CPUs without AVX512-VNNI: no AVX-512 at all, or Skylake's without VNNI): a block's 16 rows as two halves of 8 lanes, one pass over the
-// group each. vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, exact here: the
+// AVX2 (CPUs without AVX512-VNNI: no AVX-512 at all, or Skylake's without VNNI): a block's 16
+// rows as two halves of 8 lanes, one pass over the group each. vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, exact here: the
 // 4-bit quants (0..15) by xq sum to at most 3,810 a pair, four registers' pairs to 15,240; Q6_K's
 // (0..63) to 16,002 a pair, widened at once; Q8_0 enters signed (its stored q + 128 back to q)
 // as |q| times xq with q's sign, at most 32,258 a pair. So each block dot is the exact int32 the

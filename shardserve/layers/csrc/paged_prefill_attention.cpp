@@ -349,6 +349,8 @@ void run_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::atomic<int64_t> next_item{0};
   const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, qf(group * head_dim);
@@ -357,7 +359,7 @@ void run_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
         const Item& item = items[i / num_kv_heads];
         const int64_t kv_head = i % num_kv_heads;
         const int64_t offset = ((starts[item.chunk] + item.token) * num_heads + kv_head * group) * head_dim;
-        attention_avx2::attend_one<T>(q_ptr + offset, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+        attention_avx2::attend_one<T>(q_ptr + offset, k_ptr, v_ptr,
                                       table + item.chunk * max_blocks, item.position + 1, kv_head, num_blocks,
                                       block_size, group, head_dim, scale, out_ptr + offset, scores, acc, qf);
       }
