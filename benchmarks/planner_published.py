@@ -13,11 +13,13 @@ How a row becomes a prediction
   DeepSeek-R1 DeepSeek-V3's); dtype fp16/bf16/fp8/nvfp4 -> float16/bfloat16/float8/float4.
 - layout: the published tp (and ep); "DEP n" and `enable_attention_dp` rows are tp1 epN with
   data-parallel attention; replicas = GPUs / GPUs per replica.
-- offline rows (max throughput, every request at once) are a closed loop as deep as the engine
-  takes, with the engine limits trtllm-bench derives when a table leaves them at their defaults
-  (`trtllm_bench_limits`, restating tensorrt_llm/bench/build/tuning.py: its own KV estimate,
-  a batch at most 4096, a step budget of batch x (1 + isl / osl) tokens, between 2048 and
-  32768), per rank under attention DP, and never more sequences than the planner's KV capacity.
+- offline rows (max throughput, every request at once) are the run the source made: its stated
+  number of requests (NUM_REQUESTS) queued at once and served in waves as deep as the engine
+  takes, to the end of the last, smaller wave (ReplicaModel.predict_offline), with the engine
+  limits trtllm-bench derives when a table leaves them at their defaults (`trtllm_bench_limits`,
+  restating tensorrt_llm/bench/build/tuning.py: its own KV estimate, a batch at most 4096, a
+  step budget of batch x (1 + isl / osl) tokens, between 2048 and 32768), per rank under
+  attention DP, and never more sequences than the planner's KV capacity.
   Rows whose source gives its settings override them (ROW_SETTINGS); a stated KV-cache dtype
   other than the weights' is passed on (Deployment.kv_dtype).
 - host runtime: rows of TensorRT-LLM's PyTorch backend (PYTHON_RUNTIME_SOURCES) carry its host
@@ -77,6 +79,18 @@ PYTHON_RUNTIME_SOURCES = ("trtllm10", "trtllm-latest", "trtllm-blog")
 # 1536, 1k/1k, host-bound) was 45.1 ms of host time per iteration for up to 1536 sequences per
 # rank, about 30 us a sequence. The C++ runtimes of the older tables keep the plain prior.
 PYTHON_RUNTIME_SEQ_OVERHEAD_S = 30e-6
+# How many requests an offline row's benchmark ran ($num_requests, fixed per ISL/OSL in each
+# document's "Preparing a Dataset" table; the v0.14 online table: 500 requests), by row id prefix.
+# A run of N requests ends when its last wave does (ReplicaModel.predict_offline).
+_V017_REQUESTS = {(128, 128): 30000, (128, 2048): 3000, (128, 4096): 1500, (2048, 128): 3000, (2048, 2048): 1500,
+                  (5000, 500): 1500, (1000, 1000): 3000, (500, 2000): 3000, (20000, 2000): 1000}
+NUM_REQUESTS = {
+    "trtllm017": _V017_REQUESTS,
+    "trtllm10": {**_V017_REQUESTS, (1000, 2000): 1500},
+    "trtllm-latest": {(1024, 1024): 3000, (8192, 1024): 1500, (1024, 8192): 1500, (32768, 1024): 1000,
+                      (1024, 32768): 1000},
+}
+ONLINE_V014_REQUESTS = 500
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float8", "nvfp4": "float4", "fp4": "float4"}
 FAMILY = {"float16": "16-bit", "bfloat16": "16-bit", "float8": "fp8", "float4": "fp4"}
 GPUS = (("gb200", "GB200"), ("h100 nvl", None), ("h200", "H200"), ("h100", "H100"), ("b200", "B200"),
@@ -100,6 +114,7 @@ class Case:
     max_batch: int  # per attention group (the engine's max_batch_size is per rank)
     token_budget: int  # per attention group
     python_runtime: bool  # host runtime in Python (PYTHON_RUNTIME_SOURCES)
+    num_requests: int | None  # offline rows: how many the run served (NUM_REQUESTS); None: steady state
     published: dict[str, float]  # metric name -> value (throughput per GPU in tok/s, ms)
 
 
@@ -179,7 +194,15 @@ def expressible(row: dict, catalog) -> tuple[Case | None, str]:
     python_runtime = row["id"].startswith(PYTHON_RUNTIME_SOURCES)
     return Case(row["id"], group, dep, replicas, row["isl"], row["osl"], kind, value,
                 settings.get("max_batch", derived_batch), settings.get("token_budget", derived_budget), python_runtime,
-                published), ""
+                num_requests(row) if kind == "offline" else None, published), ""
+
+
+def num_requests(row: dict) -> int | None:
+    """The requests an offline row's run served, per replica share as the source states them."""
+    if row["id"].startswith("trtllm014-online"):
+        return ONLINE_V014_REQUESTS
+    table = next((t for prefix, t in NUM_REQUESTS.items() if row["id"].startswith(prefix + "-")), {})
+    return table.get((row["isl"], row["osl"]))
 
 
 def trtllm_bench_limits(dep: Deployment, isl: int, osl: int) -> tuple[int, int]:
@@ -223,6 +246,8 @@ def predict(case: Case, efficiency: Efficiency) -> dict[str, float]:
     replica = ReplicaModel(dep, case.isl, case.osl, max_seqs, budget)
     if case.load == "rate":
         pred = replica.predict(case.load_value)
+    elif case.num_requests:  # a finite run: the replicas share the requests
+        pred = replica.predict_offline(math.ceil(case.num_requests / case.replicas))
     else:
         pred = replica.predict_closed_loop(int(case.load_value) if case.load == "concurrency" else max_seqs)
     if not pred.stable:

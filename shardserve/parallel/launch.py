@@ -33,6 +33,7 @@ from shardserve.parallel.groups import ParallelGroups
 from shardserve.ports import free_port
 
 log = logging.getLogger(__name__)
+JOIN_TIMEOUT_S = 120.0  # how long the ranks (and the hosts of --nnodes) may take to find each other at start
 
 
 @dataclass
@@ -148,8 +149,12 @@ def _init_process_group(config: EngineConfig, rank: int, init_method: str, local
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % local_size)
+    # Joining waits for every rank to start (spawn, import torch: many seconds on a busy host);
+    # --comm-timeout is for a peer that stops answering once running, so it is set after.
+    comm_timeout = timedelta(seconds=config.parallel.comm_timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=config.parallel.world_size,
-                            timeout=timedelta(seconds=config.parallel.comm_timeout_s))
+                            timeout=max(comm_timeout, timedelta(seconds=JOIN_TIMEOUT_S)))
+    dist.distributed_c10d._set_pg_timeout(comm_timeout)
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -33,6 +33,14 @@ after j of them (mean TTFT = t_k (m + 1) / 2), then the C sequences decode toget
 
     period = m t_k + (O - 1) t_decode(C)       throughput = C / period requests per second
 
+and every request of the wave ends with it, so a request's TPOT, (E2E - TTFT) / (O - 1), also
+counts the prefill steps after its first token: t_decode(C) + (m - 1) t_k / (2 (O - 1)) on average.
+
+Offline (`predict_offline`: N requests queued at once and run to the end, as an offline
+benchmark does): waves of R = what one step carries, the last of N mod R requests, which costs
+its O - 1 decode steps for fewer tokens: makespan = floor(N / R) period(R) + period(N mod R),
+throughput = N / makespan; a request's TTFT adds the waves before its own.
+
 n is the smallest fixed point of the second and third lines, found by iterating from n = 0.
 The replica is overloaded when rho >= 1, or n exceeds what one step can carry: the sequences
 whose KV fits, and the step's token budget (each decode is one token of it; a prefill chunk
@@ -210,13 +218,18 @@ class ReplicaModel:
         return ReplicaPrediction(arrival_qps, True, n, rho, ttft_s, tpot_s if num_decode_steps else 0.0, e2e_s,
                                  step.bottleneck, ttft_p99_s, tpot_p99_s)
 
+    def _running(self, clients: int) -> int:
+        """How many of `clients` requests one step carries: what the KV cache holds, and the
+        step's token budget (each decode is one token of it)."""
+        return min(clients, self.max_num_seqs, self.max_num_batched_tokens - 1)
+
     def predict_closed_loop(self, concurrency: int) -> ReplicaPrediction:
         """Mean TTFT, TPOT and E2E with `concurrency` clients in a closed loop, and the request
         rate they reach (`arrival_qps`); see the module docstring. Clients beyond what one step
         carries (KV capacity, the token budget) wait for a slot, as they would on the engine."""
         if concurrency < 1:
             raise ConfigError(f"concurrency must be at least 1, got {concurrency}")
-        running = min(concurrency, self.max_num_seqs, self.max_num_batched_tokens - 1)
+        running = self._running(concurrency)
         per_step = max(1, min(running, self.max_num_batched_tokens // self.input_len))
         num_prefill_steps = math.ceil(running / per_step)
         prefill_step_s = (prefill_time(self.deployment, self.input_len, per_step).total_s
@@ -225,14 +238,43 @@ class ReplicaModel:
         ttft_p99_s = prefill_step_s * num_prefill_steps  # the wave's last group
         num_decode_steps = self.output_len - 1
         step = decode_step_time(self.deployment, running, self._decode_context_len)
-        tpot_s = step.total_s if num_decode_steps else 0.0
-        period_s = num_prefill_steps * prefill_step_s + num_decode_steps * tpot_s
+        period_s = num_prefill_steps * prefill_step_s + num_decode_steps * step.total_s
+        # a group's tokens after its first wait out the wave's later prefill steps too: the j-th
+        # of m groups decodes over (m - j) of them, (m - 1) / 2 on average, the first all but one
+        tpot_s = tpot_p99_s = 0.0
+        if num_decode_steps:
+            tpot_s = step.total_s + (num_prefill_steps - 1) * prefill_step_s / (2 * num_decode_steps)
+            tpot_p99_s = step.total_s + (num_prefill_steps - 1) * prefill_step_s / num_decode_steps
         waves_waited = math.ceil(concurrency / running) - 1  # clients without a slot sit out whole waves
         ttft_s += waves_waited * period_s
         ttft_p99_s += waves_waited * period_s
         rate = running / period_s
         return ReplicaPrediction(rate, True, running, rate * prefill_step_s * num_prefill_steps / running, ttft_s,
-                                 tpot_s, ttft_s + num_decode_steps * tpot_s, step.bottleneck, ttft_p99_s, tpot_s)
+                                 tpot_s, ttft_s + num_decode_steps * tpot_s, step.bottleneck, ttft_p99_s, tpot_p99_s)
+
+    def predict_offline(self, num_requests: int) -> ReplicaPrediction:
+        """`num_requests` requests queued at once and served to the last one's end, as an offline
+        benchmark runs (trtllm-bench throughput, vLLM's benchmark_throughput): whole waves of
+        what one step carries, then a last wave of the rest, which takes as many decode steps for
+        fewer tokens. `arrival_qps` is num_requests over that makespan, the throughput such a
+        benchmark reports; a request's TTFT counts the waves it waited for."""
+        if num_requests < 1:
+            raise ConfigError(f"num_requests must be at least 1, got {num_requests}")
+        running = self._running(num_requests)
+        full, rest = divmod(num_requests, running)
+        waves = [(running, self.predict_closed_loop(running))] * full
+        if rest:
+            waves.append((rest, self.predict_closed_loop(rest)))
+        start_s = ttft_s = tpot_s = 0.0
+        for size, wave in waves:
+            ttft_s += size * (start_s + wave.ttft_s)
+            tpot_s += size * wave.tpot_s
+            last_start_s, start_s = start_s, start_s + size / wave.arrival_qps
+        ttft_s, tpot_s = ttft_s / num_requests, tpot_s / num_requests
+        first, last = waves[0][1], waves[-1][1]
+        return ReplicaPrediction(num_requests / start_s, True, running, first.prefill_utilization, ttft_s, tpot_s,
+                                 ttft_s + (self.output_len - 1) * tpot_s, first.decode_bottleneck,
+                                 last_start_s + last.ttft_p99_s, max(wave.tpot_p99_s for _, wave in waves))
 
     def prefill_saturation_qps(self) -> float:
         """The arrival rate at which prefill alone fills every step (prompts packed as tightly as

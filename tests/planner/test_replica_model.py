@@ -114,8 +114,11 @@ def test_closed_loop_clients_arrive_in_waves_and_queue_behind_each_others_prefil
     tpot = decode_step_time(LLAMA8B, 64, 1024 + 64).total_s
     pred = replica.predict_closed_loop(64)
     assert pred.ttft_s == pytest.approx(t2 * 33 / 2)
-    assert pred.tpot_s == pytest.approx(tpot)
+    # the first group's tokens wait out the 31 prefill steps after it, the last group's none
+    assert pred.tpot_s == pytest.approx(tpot + 31 * t2 / (2 * 127))
+    assert pred.tpot_p99_s == pytest.approx(tpot + 31 * t2 / 127)
     assert pred.arrival_qps == pytest.approx(64 / (32 * t2 + 127 * tpot))
+    assert pred.e2e_s == pytest.approx(32 * t2 + 127 * tpot)  # the wave's period, for every request
     assert pred.ttft_s > 3 * replica.predict(pred.arrival_qps).ttft_s
     # clients beyond the KV capacity wait out a whole wave
     small = ReplicaModel(LLAMA8B, input_len=1024, output_len=128, max_num_seqs=32)
@@ -123,6 +126,26 @@ def test_closed_loop_clients_arrive_in_waves_and_queue_behind_each_others_prefil
     assert full.num_running_seqs == 32 and full.arrival_qps == pytest.approx(half.arrival_qps)
     period = 16 * t2 + 127 * decode_step_time(LLAMA8B, 32, 1024 + 64).total_s
     assert full.ttft_s == pytest.approx(half.ttft_s + period)
+
+
+def test_an_offline_run_ends_with_its_last_smaller_wave():
+    """80 requests queued at once, 32 a wave (the KV cache): waves of 32, 32 and 16. The last
+    costs its 127 decode steps for half the tokens, so the run's throughput is below the steady
+    state's; a request's TTFT counts the waves before its own."""
+    replica = ReplicaModel(LLAMA8B, input_len=1024, output_len=128, max_num_seqs=32)
+    t2 = prefill_time(LLAMA8B, 1024, 2).total_s
+    period32 = 16 * t2 + 127 * decode_step_time(LLAMA8B, 32, 1024 + 64).total_s
+    period16 = 8 * t2 + 127 * decode_step_time(LLAMA8B, 16, 1024 + 64).total_s
+    pred = replica.predict_offline(80)
+    assert pred.arrival_qps == pytest.approx(80 / (2 * period32 + period16))
+    assert pred.arrival_qps < replica.predict_closed_loop(80).arrival_qps
+    ttft32, ttft16 = t2 * 17 / 2, t2 * 9 / 2
+    assert pred.ttft_s == pytest.approx((32 * ttft32 + 32 * (period32 + ttft32) + 16 * (2 * period32 + ttft16)) / 80)
+    assert pred.ttft_p99_s == pytest.approx(2 * period32 + 8 * t2)  # the last wave's last prompts
+    # whole waves only: the steady closed loop's throughput
+    assert replica.predict_offline(64).arrival_qps == pytest.approx(replica.predict_closed_loop(32).arrival_qps)
+    with pytest.raises(ConfigError):
+        replica.predict_offline(0)
 
 
 def test_gamma_arrivals_scale_the_prefill_wait_and_p99_follows_the_exponential_tail():
