@@ -7,7 +7,8 @@ device, dtype and efficiency factors. Per rank of each pipeline stage, for one m
     attention = roof(prefill_attn_flops / (attn_peak * eff.attention)
                      + decode_attn_flops / (attn_peak * eff.decode_attention_factor),
                      kv_bytes_read / (mem_bw * eff.kv_memory_factor))
-    stage     = gemm + attention + comm (collectives and the p2p send on, at link bw * eff.network)
+    activations = activation_traffic_bytes / (mem_bw * eff.memory)
+    stage     = gemm + attention + activations + comm (collectives and the p2p send on, at link bw * eff.network)
     roof(compute, memory) = max(compute, memory) + (1 - eff.overlap) * min(compute, memory)
 
 (attn_peak: the peak of the KV cache's dtype, Deployment.attention_dtype; overlap 1 is the
@@ -32,8 +33,18 @@ all-reduces and host work are the busiest group's (busiest_group_load: one promp
 split over groups; a batch of many sequences gives each about 1/g) and the all-gather goes: each
 group keeps its own tokens. The embedding
 all-reduces over tp, the LM head all-gathers the logits, stages hand [T, h] on point-to-point.
-A group that spans more devices than a node has uses the NIC. Norms, rotary, activations and
-sampling are left to the host overhead, `step_overhead_s + seq_overhead_s * N + token_overhead_s * T`
+A group that spans more devices than a node has uses the NIC.
+Activation traffic: the kernels between the GEMMs (residual adds, norms, rotary, SiLU * mul, the
+experts' permutes) and the GEMMs' own activation reads and writes stream each token's activations
+through memory, a cost of its own that grows with the batch and, under tp, does not shrink with
+it (every rank of a group holds the whole hidden state). Per layer and token, counted for an
+engine that fuses the residual add into the norm: 12 h (the two add + RMSNorm, each reading x and
+the residual and writing both: 8 h; the h-wide inputs of the QKV and gate/up GEMMs and outputs of
+the o and down projections: 4 h), plus 6 I / tp for a dense MLP (gate/up written, read by
+SiLU * mul, which writes I, read by down), or for a MoE layer 6 I_e / tp_e + 4 h per routed row
+(the expert MLP and the row's permute in and out) and 6 I_s / tp per token for a shared expert;
+at the activation dtype, at the weights' memory rate, not overlapped with the GEMMs (separate
+kernels). Launches and sampling are left to the host overhead, `step_overhead_s + seq_overhead_s * N + token_overhead_s * T`
 for a step of N sequences and T new tokens (the whole step's, not per micro-batch: the host
 prepares and samples the step once). Uncalibrated factors are guesses (see Efficiency).
 """
@@ -187,9 +198,9 @@ def fraction_of_experts_hit(model: ModelConfig, num_tokens: float) -> float:
 class StepTime:
     """Seconds of one engine step (one batch through every pipeline stage) and why.
 
-    gemm_s / attention_s are compute times, memory_s the weight + KV read time, comm_s the
-    collectives and pipeline sends, each weighted like the step (sum over stages + (m - 1) times
-    the slowest stage's). total_s combines compute and memory per stage with `roof_s`, so it is
+    gemm_s / attention_s are compute times, memory_s the weight + KV read time and the
+    activation traffic, comm_s the collectives and pipeline sends, each weighted like the step
+    (sum over stages + (m - 1) times the slowest stage's). total_s combines compute and memory per stage with `roof_s`, so it is
     not the sum of the fields. `bottleneck` is the largest of: compute (op classes whose compute
     time wins their roofline), memory (those whose memory time wins), network (comm_s), overhead."""
 
@@ -219,11 +230,12 @@ class _StageParts:
     kv_s: float
     comm_s: float
     overlap: float = 1.0
+    activation_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return (roof_s(self.gemm_s, self.weight_s, self.overlap) + roof_s(self.attention_s, self.kv_s, self.overlap)
-                + self.comm_s)
+                + self.activation_s + self.comm_s)
 
 
 def roof_s(compute_s: float, memory_s: float, overlap: float) -> float:
@@ -292,6 +304,7 @@ class _StageWork:
     attention_flops: float
     kv_bytes: float
     decode_attention_flops: float  # the part of attention_flops from decode tokens
+    activation_traffic_bytes: float = 0.0  # see the module docstring
 
 
 def _stage_work(dep: Deployment, stage: StagePlan, load: BatchLoad, local: BatchLoad) -> _StageWork:
@@ -300,6 +313,7 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: BatchLoad, local: Batch
     model, par = dep.model, dep.parallel
     tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
     tokens = load.num_tokens
+    routed_rows = busiest_rank_rows(model, ep, tokens) if stage.num_moe_layers else 0.0
     # Params every token multiplies by, and params read from memory, on this rank.
     token_params = stage.num_layers * attention_params(model, tp) + stage.num_dense_layers * dense_mlp_params(model, tp)
     gemm_flops, read_params = 2 * local.num_tokens * token_params, float(token_params)
@@ -307,7 +321,6 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: BatchLoad, local: Batch
         shared = shared_expert_params_per_rank(model, tp)
         # ep = 1: every rank routes all tokens through tp slices; ep > 1: each routes its 1/ep chunk
         # and runs whole experts on the rows sent to it, the busiest rank setting the pace
-        routed_rows = busiest_rank_rows(model, ep, tokens)
         row_params = expert_params(model) / (tp if ep == 1 else 1)
         router_tokens = tokens / ep
         router = router_params(model)
@@ -324,7 +337,29 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: BatchLoad, local: Batch
     attention_flops = prefill_pair_flops * (local.num_pairs - local.num_decode_pairs) + decode_attention_flops
     kv_token_bytes = stage_kv_bytes_per_token(model, tp, stage, dep.kv_bytes)
     return _StageWork(gemm_flops, read_params * dep.weight_bytes, attention_flops,
-                      local.num_context_tokens * kv_token_bytes, decode_attention_flops)
+                      local.num_context_tokens * kv_token_bytes, decode_attention_flops,
+                      _activation_elements(model, par, stage, local.num_tokens, routed_rows) * dep.activation_bytes)
+
+
+# Activation elements per layer a kernel reads or writes, per token or routed row (module docstring)
+RESIDUAL_PASSES = 12  # x h, per token
+MLP_PASSES = 6  # x the MLP's intermediate size on this rank, per token (dense) or routed row
+PERMUTE_PASSES = 4  # x h, per routed row
+
+
+def _activation_elements(model: ModelConfig, par: ParallelConfig, stage: StagePlan, local_tokens: float,
+                         routed_rows: float) -> float:
+    """Activation elements the stage's kernels stream through memory on one rank: `local_tokens`
+    (the busiest attention group's) through the residual stream, dense MLPs and shared experts,
+    `routed_rows` (the busiest expert rank's) through the routed experts."""
+    tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
+    elements = RESIDUAL_PASSES * h * local_tokens * stage.num_layers
+    elements += MLP_PASSES * model.intermediate_size / tp * local_tokens * stage.num_dense_layers
+    if stage.num_moe_layers:
+        per_row = MLP_PASSES * model.moe_intermediate_size / (tp if ep == 1 else 1) + PERMUTE_PASSES * h
+        shared = MLP_PASSES * model.shared_expert_intermediate_size / tp * local_tokens
+        elements += stage.num_moe_layers * (routed_rows * per_row + shared)
+    return elements
 
 
 def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: BatchLoad, local: BatchLoad) -> _StageParts:
@@ -338,6 +373,7 @@ def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: BatchLoad,
                      + work.decode_attention_flops / (attention_peak_flop_s * eff.decode_attention_factor)),
         kv_s=work.kv_bytes / (hw.memory_bandwidth_bytes_s * eff.kv_memory_factor),
         comm_s=_stage_comm_s(dep, stage, index, load, local), overlap=eff.overlap,
+        activation_s=work.activation_traffic_bytes / (hw.memory_bandwidth_bytes_s * eff.memory),
     )
 
 
@@ -351,6 +387,7 @@ class StepWork:
     attention_flops: float
     weight_bytes: float
     kv_bytes: float
+    activation_traffic_bytes: float
 
     @property
     def flops(self) -> float:
@@ -358,6 +395,8 @@ class StepWork:
 
     @property
     def bytes(self) -> float:
+        """What MBU counts, as everyone does: the weights and the KV cache read (the activation
+        traffic, which a step also pays for, is apart)."""
         return self.weight_bytes + self.kv_bytes
 
 
@@ -366,7 +405,7 @@ def step_work(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) 
     load, local = step_loads(batch, dep.parallel.attention_groups)
     works = [_stage_work(dep, stage, load, local) for stage in dep.stages]
     return StepWork(*(sum(getattr(w, name) for w in works)
-                      for name in ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes")))
+                      for name in ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes", "activation_traffic_bytes")))
 
 
 def _num_micro_batches(par: ParallelConfig, num_seqs: float) -> int:
@@ -388,17 +427,18 @@ def step_time(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) 
     def weighted(name: str) -> float:
         return sum(getattr(p, name) for p in parts) + (num_micro - 1) * getattr(slowest, name)
 
-    gemm_s, weight_s, attention_s, kv_s, comm_s = (
-        weighted(n) for n in ("gemm_s", "weight_s", "attention_s", "kv_s", "comm_s"))
+    gemm_s, weight_s, attention_s, kv_s, activation_s, comm_s = (
+        weighted(n) for n in ("gemm_s", "weight_s", "attention_s", "kv_s", "activation_s", "comm_s"))
     # each attention group is its own engine process with its own scheduler and sampler: the
     # host work of a step is the busiest group's sequences and tokens, the groups in parallel
     overhead_s = dep.efficiency.overhead_s(local.num_seqs, local.num_tokens)
     total_s = sum(p.total_s for p in parts) + (num_micro - 1) * slowest.total_s + overhead_s
     pairs = ((gemm_s, weight_s), (attention_s, kv_s))
-    shares = {"compute": sum(c for c, m in pairs if c >= m), "memory": sum(m for c, m in pairs if m > c),
-              "network": comm_s, "overhead": overhead_s}
+    shares = {"compute": sum(c for c, m in pairs if c >= m),
+              "memory": sum(m for c, m in pairs if m > c) + activation_s, "network": comm_s, "overhead": overhead_s}
     return StepTime(
-        gemm_s=gemm_s, attention_s=attention_s, memory_s=weight_s + kv_s, comm_s=comm_s, overhead_s=overhead_s,
+        gemm_s=gemm_s, attention_s=attention_s, memory_s=weight_s + kv_s + activation_s, comm_s=comm_s,
+        overhead_s=overhead_s,
         total_s=total_s, bottleneck=max(shares, key=shares.__getitem__), calibrated=dep.efficiency.calibrated,
     )
 

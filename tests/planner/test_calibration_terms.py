@@ -55,7 +55,7 @@ def test_step_work_counts_what_step_time_divides():
                                                                          step_overhead_s=0))
     work, t = step_work(unit, batch), step_time(unit, batch)
     assert t.gemm_s + t.attention_s == pytest.approx(work.flops / 1e11)
-    assert t.memory_s == pytest.approx(work.bytes / 1e10)
+    assert t.memory_s == pytest.approx((work.bytes + work.activation_traffic_bytes) / 1e10)
 
 
 @pytest.mark.parametrize("bad", [dict(seq_overhead_s=-1), dict(token_overhead_s=-1e-9), dict(overlap=1.5),

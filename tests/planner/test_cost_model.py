@@ -19,6 +19,7 @@ from shardserve.planner.cost_model import (
     step_time, step_work,
 )
 from shardserve.planner.efficiency import Efficiency
+from shardserve.planner.expert_load import busiest_rank_rows
 from shardserve.planner.hardware import get_hardware
 from shardserve.planner.memory_fit import (
     kv_bytes_per_token, kv_bytes_per_token_per_rank, max_batch_tokens, max_num_seqs_that_fit, weight_bytes_per_rank,
@@ -192,7 +193,9 @@ def test_decode_bottleneck_switches_from_memory_to_compute():
     # batch 1 reads 80 layers of linear weights and the LM head shard: 8.688B params per rank
     read_params = 80 * (16_777_216 + 2_097_152 + 88_080_384) + 16_032 * 8192
     kv_bytes = 1024 * 2 * 80 * 1 * 128 * 2
-    assert small.memory_s == pytest.approx((read_params * 2 + kv_bytes) / H100_BW)
+    # the one token's activations, per layer: 12 h through the residual stream, 6 I / tp in the MLP
+    activation_bytes = 80 * (12 * 8192 + 6 * 28672 // 8) * 2
+    assert small.memory_s == pytest.approx((read_params * 2 + kv_bytes + activation_bytes) / H100_BW)
     assert large.total_s > small.total_s
     assert not small.calibrated and "uncalibrated" in small.summary()
     assert "calibrated" in dataclasses.replace(small, calibrated=True).summary()
@@ -209,7 +212,8 @@ def test_step_time_rule_and_batch_forms_agree():
     # * 16 * 2 (K, V) * 2 bytes
     weight_read_bytes = (2 * 18_432 + 12_288) * 2
     kv_read_bytes = (48 + 300) * (2 * 2 * 1 * 16 * 2)
-    assert a.memory_s == pytest.approx((weight_read_bytes + kv_read_bytes) / H100_BW)
+    activation_bytes = 19 * 2 * (12 * 64 + 6 * 128 // 2) * 2  # 19 tokens, 2 layers (module docstring)
+    assert a.memory_s == pytest.approx((weight_read_bytes + kv_read_bytes + activation_bytes) / H100_BW)
     # total = max(gemm, weights) + max(attention, kv) + comm + overhead; tiny shapes are memory-bound
     assert a.total_s == pytest.approx(a.memory_s + a.comm_s + a.overhead_s)
     # 2 all-reduces of 19 x 64 bf16 per layer, one for the embedding; the 4 rows of logits gathered
@@ -217,13 +221,28 @@ def test_step_time_rule_and_batch_forms_agree():
     assert a.comm_s == pytest.approx(5 * allreduce + all_gather_time_s(4 * 384 * 2, 2, *NVLINK))
 
 
+def test_activation_traffic_does_not_shrink_with_tp_and_follows_the_routed_rows():
+    """Per layer and token 12 h through the residual stream on every rank of a tp group (each holds
+    the whole hidden state), 6 I / tp in a dense MLP; a MoE layer adds 6 I_e / tp_e + 4 h per
+    routed row on the busiest expert rank."""
+    batch = BatchSummary(num_decode_seqs=8, decode_context_len=100)
+    for tp in (1, 2):
+        work = step_work(dep(TINY, par(tp=tp)), batch)
+        assert work.activation_traffic_bytes == 8 * 2 * (12 * 64 + 6 * 128 / tp) * BF16
+    rows = busiest_rank_rows(TINY_MOE, 2, 8)  # 8 tokens x top-2 over 2 expert ranks: 8 on average
+    assert 8 < rows <= 16
+    work = step_work(dep(TINY_MOE, par(ep=2)), batch)
+    assert work.activation_traffic_bytes == pytest.approx(2 * (8 * 12 * 64 + rows * (6 * 32 + 4 * 64)) * BF16)
+
+
 def test_pipeline_step_is_sum_of_stages_plus_slowest_per_extra_micro_batch():
     # TINY, pp=2, decode 4 seqs at context 100 -> 2 micro-batches of 2 seqs (200 context tokens)
     t = decode_step_time(dep(TINY, par(pp=2)), batch_size=4, context_len=100)
     layer_params = 12_288 + 24_576  # attention + MLP, unsharded
     kv_bytes = 200 * (2 * 1 * 2 * 16 * 2)
-    stage0 = (layer_params * 2 + kv_bytes) / H100_BW + p2p_time_s(2 * 64 * 2, *NVLINK)  # sends [2, 64]
-    stage1 = ((layer_params + 384 * 64) * 2 + kv_bytes) / H100_BW  # holds the head
+    activation_bytes = 2 * (12 * 64 + 6 * 128) * 2  # 2 tokens through a layer
+    stage0 = (layer_params * 2 + kv_bytes + activation_bytes) / H100_BW + p2p_time_s(2 * 64 * 2, *NVLINK)  # sends [2, 64]
+    stage1 = ((layer_params + 384 * 64) * 2 + kv_bytes + activation_bytes) / H100_BW  # holds the head
     assert t.total_s == pytest.approx(stage0 + stage1 + max(stage0, stage1) + 2e-3)
     one_micro = decode_step_time(dep(TINY, par(pp=2, num_micro_batches=1)), batch_size=4, context_len=100)
     assert one_micro.total_s < t.total_s  # memory-bound: splitting re-reads the weights
