@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Iterator
 
 import torch.distributed as dist
@@ -67,16 +68,19 @@ class ParallelGroups:
         `dist.new_group` requires), after `dist.init_process_group`."""
         stage_size, tp_size = config.stage_size, config.tp_size
         stats = CommStats()
+        # a peer silent this long is dead, in every group (new groups would otherwise get torch's
+        # default, 30 minutes for gloo)
+        timeout = timedelta(seconds=config.comm_timeout_s)
         tp = ep = None
         for stage in range(config.pp_size):
             first = stage * stage_size
             for start in range(first, first + stage_size, tp_size):
-                found = _new_group(tuple(range(start, start + tp_size)), rank, stats)
+                found = _new_group(tuple(range(start, start + tp_size)), rank, stats, timeout)
                 tp = tp or found
             if config.ep_size > 1:
-                found = _new_group(tuple(range(first, first + stage_size)), rank, stats)
+                found = _new_group(tuple(range(first, first + stage_size)), rank, stats, timeout)
                 ep = ep or found
-        control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        control = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else dist.group.WORLD
         return cls(config, rank, tp or GroupInfo(stats=stats), ep or GroupInfo(stats=stats), rank // stage_size,
                    control, stats)
 
@@ -115,9 +119,9 @@ class ParallelGroups:
         return self.rank + self.config.stage_size
 
 
-def _new_group(ranks: tuple[int, ...], rank: int, stats: CommStats) -> GroupInfo | None:
+def _new_group(ranks: tuple[int, ...], rank: int, stats: CommStats, timeout: timedelta) -> GroupInfo | None:
     """`dist.new_group(ranks)` (which every rank must call); this rank's view if it is a member."""
-    group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+    group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
     if rank not in ranks:
         return None
     return GroupInfo(ranks.index(rank), len(ranks), group, ranks, stats)

@@ -44,9 +44,9 @@ the o and down projections: 4 h), plus 6 I / tp for a dense MLP (gate/up written
 SiLU * mul, which writes I, read by down), or for a MoE layer 6 I_e / tp_e + 4 h per routed row
 (the expert MLP and the row's permute in and out) and 6 I_s / tp per token for a shared expert;
 at the activation dtype, at the weights' memory rate, not overlapped with the GEMMs (separate
-kernels). Launches and sampling are left to the host overhead, `step_overhead_s + seq_overhead_s * N + token_overhead_s * T`
-for a step of N sequences and T new tokens (the whole step's, not per micro-batch: the host
-prepares and samples the step once). Uncalibrated factors are guesses (see Efficiency).
+kernels). Launches and sampling are left to the host overhead,
+`step_overhead_s + seq_overhead_s * N + token_overhead_s * T` for a step of N sequences and T new
+tokens (the whole step's, not per micro-batch: the host prepares and samples the step once). Uncalibrated factors are guesses (see Efficiency).
 """
 from __future__ import annotations
 
@@ -200,9 +200,10 @@ class StepTime:
 
     gemm_s / attention_s are compute times, memory_s the weight + KV read time and the
     activation traffic, comm_s the collectives and pipeline sends, each weighted like the step
-    (sum over stages + (m - 1) times the slowest stage's). total_s combines compute and memory per stage with `roof_s`, so it is
-    not the sum of the fields. `bottleneck` is the largest of: compute (op classes whose compute
-    time wins their roofline), memory (those whose memory time wins), network (comm_s), overhead."""
+    (sum over stages + (m - 1) times the slowest stage's). total_s combines compute and memory
+    per stage with `roof_s`, so it is not the sum of the fields. `bottleneck` is the largest of:
+    compute (op classes whose compute time wins their roofline), memory (those whose memory time
+    wins, and the activation traffic), network (comm_s), overhead."""
 
     gemm_s: float
     attention_s: float
@@ -404,8 +405,8 @@ def step_work(dep: Deployment, batch: Sequence[tuple[int, int]] | BatchSummary) 
     """FLOPs and bytes of one step of `batch` (as `step_time` takes it) on a device of each stage."""
     load, local = step_loads(batch, dep.parallel.attention_groups)
     works = [_stage_work(dep, stage, load, local) for stage in dep.stages]
-    return StepWork(*(sum(getattr(w, name) for w in works)
-                      for name in ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes", "activation_traffic_bytes")))
+    names = ("gemm_flops", "attention_flops", "weight_bytes", "kv_bytes", "activation_traffic_bytes")
+    return StepWork(*(sum(getattr(w, name) for w in works) for name in names))
 
 
 def _num_micro_batches(par: ParallelConfig, num_seqs: float) -> int:

@@ -241,7 +241,7 @@ def test_pipeline_step_is_sum_of_stages_plus_slowest_per_extra_micro_batch():
     layer_params = 12_288 + 24_576  # attention + MLP, unsharded
     kv_bytes = 200 * (2 * 1 * 2 * 16 * 2)
     activation_bytes = 2 * (12 * 64 + 6 * 128) * 2  # 2 tokens through a layer
-    stage0 = (layer_params * 2 + kv_bytes + activation_bytes) / H100_BW + p2p_time_s(2 * 64 * 2, *NVLINK)  # sends [2, 64]
+    stage0 = (layer_params * 2 + kv_bytes + activation_bytes) / H100_BW + p2p_time_s(2 * 64 * 2, *NVLINK)  # [2, 64]
     stage1 = ((layer_params + 384 * 64) * 2 + kv_bytes + activation_bytes) / H100_BW  # holds the head
     assert t.total_s == pytest.approx(stage0 + stage1 + max(stage0, stage1) + 2e-3)
     one_micro = decode_step_time(dep(TINY, par(pp=2, num_micro_batches=1)), batch_size=4, context_len=100)
