@@ -44,9 +44,11 @@ the o and down projections: 4 h), plus 6 I / tp for a dense MLP (gate/up written
 SiLU * mul, which writes I, read by down), or for a MoE layer 6 I_e / tp_e + 4 h per routed row
 (the expert MLP and the row's permute in and out) and 6 I_s / tp per token for a shared expert;
 at the activation dtype, at the weights' memory rate, not overlapped with the GEMMs (separate
-kernels). Launches and sampling are left to the host overhead,
+kernels), times eff.activation_traffic (0 in a CPU calibration, whose per-token host term
+carries this work). Launches and sampling are left to the host overhead,
 `step_overhead_s + seq_overhead_s * N + token_overhead_s * T` for a step of N sequences and T new
-tokens (the whole step's, not per micro-batch: the host prepares and samples the step once). Uncalibrated factors are guesses (see Efficiency).
+tokens (the whole step's, not per micro-batch: the host prepares and samples the step once).
+Uncalibrated factors are guesses (see Efficiency).
 """
 from __future__ import annotations
 
@@ -374,7 +376,8 @@ def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: BatchLoad,
                      + work.decode_attention_flops / (attention_peak_flop_s * eff.decode_attention_factor)),
         kv_s=work.kv_bytes / (hw.memory_bandwidth_bytes_s * eff.kv_memory_factor),
         comm_s=_stage_comm_s(dep, stage, index, load, local), overlap=eff.overlap,
-        activation_s=work.activation_traffic_bytes / (hw.memory_bandwidth_bytes_s * eff.memory),
+        activation_s=(work.activation_traffic_bytes * eff.activation_traffic
+                      / (hw.memory_bandwidth_bytes_s * eff.memory)),
     )
 
 

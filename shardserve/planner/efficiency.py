@@ -26,8 +26,9 @@ preparation, sampling, detokenization, and the elementwise work the roofline lea
 `decode_attention` (the attention factor of decode tokens; null: same as `attention`),
 `kv_memory` (the memory factor of KV-cache reads; null: same as `memory`),
 `overlap` (1: the classic roofline max of compute and memory time; lower: part of the shorter
-adds on, as on a CPU) and the optional `hardware` object. Both versions are read; the fields a
-"/1" file lacks keep the defaults a "/1" fit assumed (0, null, 1).
+adds on, as on a CPU), `activation_traffic` (the share of the cost model's activation traffic
+the fit counts; absent: 0, as fits before it had none) and the optional `hardware` object. Both
+versions are read; the fields a "/1" file lacks keep the defaults a "/1" fit assumed (0, null, 1).
 
 `hardware` (catalog fields, see hardware_catalog.yaml) records the peaks the factors were fitted
 against. A measured host is not in the catalog and its measured peaks vary from run to run, so a
@@ -54,9 +55,10 @@ CALIBRATION_FORMAT = "shardserve-efficiency/2"
 READABLE_FORMATS = ("shardserve-efficiency/1", CALIBRATION_FORMAT)
 _FACTORS = ("gemm", "attention", "memory", "network")
 _OVERHEADS = ("step_overhead_s", "seq_overhead_s", "token_overhead_s")
-_V2_FIELDS = ("decode_attention", "overlap", "kv_memory")
+_V2_FIELDS = ("decode_attention", "overlap", "kv_memory", "activation_traffic")
 _OPTIONAL = ("decode_attention", "kv_memory")  # null: the factor they refine
 FITTED_WITHOUT_OVERLAP = 1.0  # what a calibration entry without "overlap" was fitted with
+FITTED_WITHOUT_ACTIVATION_TRAFFIC = 0.0  # ... and without "activation_traffic"
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,12 @@ class Efficiency:
     time nearer the sum of the two.
     `kv_memory` is the memory factor of KV-cache reads: paged, per-sequence and scattered in
     pages, they stream at another rate than the weights' long contiguous reads; None uses
-    `memory`."""
+    `memory`.
+    `activation_traffic` scales the cost model's activation traffic (the kernels between the
+    GEMMs streaming each token's activations through device memory, cost_model): 1 for a GPU,
+    whose batches' activations outgrow its cache; 0 in a calibration fitted with a per-token
+    host term, which already carries that elementwise work (a CPU's activations mostly stay in
+    its caches)."""
 
     gemm: float = 0.6
     attention: float = 0.5
@@ -100,6 +107,7 @@ class Efficiency:
     decode_attention: float | None = None
     overlap: float = 0.62
     kv_memory: float | None = None
+    activation_traffic: float = 1.0
     calibrated: bool = False
     source: str = ""  # where calibrated factors came from
     step_time_mape: float | None = None  # the fit's own error on the profiled steps
@@ -118,6 +126,8 @@ class Efficiency:
                 raise ConfigError(f"Efficiency.{name} must be in (0, 1], got {value}")
         if not 0 <= self.overlap <= 1:
             raise ConfigError(f"Efficiency.overlap must be in [0, 1], got {self.overlap}")
+        if not self.activation_traffic >= 0:
+            raise ConfigError(f"Efficiency.activation_traffic must be >= 0, got {self.activation_traffic}")
 
     @property
     def decode_attention_factor(self) -> float:
@@ -192,6 +202,7 @@ def _device_efficiency(name: str, entry: Any, source: str) -> Efficiency:
         raise ConfigError(f"calibration: device {name!r} field 'dtype' is not a dtype name: {dtype!r}")
     # a fit that wrote no overlap (a "/1" file) assumed the classic roofline, not today's prior
     values.setdefault("overlap", FITTED_WITHOUT_OVERLAP)
+    values.setdefault("activation_traffic", FITTED_WITHOUT_ACTIVATION_TRAFFIC)
     return replace(Efficiency(), calibrated=True, source=source, dtype=dtype, **values)
 
 

@@ -112,7 +112,9 @@ def fit_efficiency(dep: Deployment, samples: list[FitSample], source: str,
     fitted only when `fit_network` (default: the layout has more than one rank)."""
     if len(samples) < 2:
         raise ValueError("a calibration fit needs at least two measured steps")
-    prior = dep.efficiency
+    # the fitted per-token host term carries the elementwise work, as the cost model's
+    # activation traffic would: counting both would count it twice
+    prior = dataclasses.replace(dep.efficiency, activation_traffic=0.0)
     fit_network = dep.parallel.world_size > 1 if fit_network is None else fit_network
     names = tuple(n for n in _FACTORS if n != "network" or fit_network) + ("overlap",) + _OVERHEADS
     measured = np.array([s.measured_s for s in samples])

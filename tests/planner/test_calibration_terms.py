@@ -59,7 +59,7 @@ def test_step_work_counts_what_step_time_divides():
 
 
 @pytest.mark.parametrize("bad", [dict(seq_overhead_s=-1), dict(token_overhead_s=-1e-9), dict(overlap=1.5),
-                                 dict(decode_attention=0.0)])
+                                 dict(decode_attention=0.0), dict(activation_traffic=-1.0)])
 def test_new_terms_are_validated(bad):
     with pytest.raises(ConfigError):
         Efficiency(**bad)
@@ -72,6 +72,7 @@ def test_version_1_files_still_load(tmp_path):
     assert eff.gemm == 0.5 and eff.calibrated
     # what the "/1" fit assumed: no per-item host terms, one attention factor, the classic roofline
     assert (eff.seq_overhead_s, eff.token_overhead_s, eff.decode_attention, eff.overlap) == (0.0, 0.0, None, 1.0)
+    assert eff.activation_traffic == 0.0 < Efficiency().activation_traffic  # fitted without it
     assert Efficiency().overlap < 1.0  # (not the prior)
     assert load_calibration(path).hardware_for("H100") is None
     path.write_text(json.dumps({"format": "shardserve-efficiency/9", "devices": {"H100": {}}}))

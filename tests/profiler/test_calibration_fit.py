@@ -21,7 +21,7 @@ HOST = Hardware(name="this host", vendor="measured", peak_flop_s={"float32": 200
                 inter_node_bandwidth_bytes_s=0.0, inter_node_latency_s=0.0, devices_per_node=1, power_w=0.0,
                 price_per_hour_usd=0.0, sources=("test",))
 TRUE = Efficiency(gemm=0.8, attention=0.3, decode_attention=0.07, memory=0.7, overlap=0.4,
-                  step_overhead_s=2e-3, seq_overhead_s=1e-4, token_overhead_s=1e-4)
+                  step_overhead_s=2e-3, seq_overhead_s=1e-4, token_overhead_s=1e-4, activation_traffic=0.0)
 
 
 def _batches():
@@ -51,6 +51,8 @@ def test_fit_recovers_known_factors():
     for name in ("step_overhead_s", "seq_overhead_s", "token_overhead_s"):
         assert getattr(eff, name) == pytest.approx(getattr(TRUE, name), rel=0.1, abs=2e-5), name
     assert eff.network == prior.efficiency.network  # a single-device profile has no communication
+    # the per-token host term carries the elementwise work: the activation traffic is not counted again
+    assert prior.efficiency.activation_traffic == 1.0 and eff.activation_traffic == 0.0
     assert "network" not in result.fitted
     assert set(result.mape_by_kind) == {"prefill", "decode", "mixed"}
 
