@@ -34,18 +34,9 @@ split over groups; a batch of many sequences gives each about 1/g) and the all-g
 group keeps its own tokens. The embedding
 all-reduces over tp, the LM head all-gathers the logits, stages hand [T, h] on point-to-point.
 A group that spans more devices than a node has uses the NIC.
-Activation traffic: the kernels between the GEMMs (residual adds, norms, rotary, SiLU * mul, the
-experts' permutes) and the GEMMs' own activation reads and writes stream each token's activations
-through memory, a cost of its own that grows with the batch and, under tp, does not shrink with
-it (every rank of a group holds the whole hidden state). Per layer and token, counted for an
-engine that fuses the residual add into the norm: 12 h (the two add + RMSNorm, each reading x and
-the residual and writing both: 8 h; the h-wide inputs of the QKV and gate/up GEMMs and outputs of
-the o and down projections: 4 h), plus 6 I / tp for a dense MLP (gate/up written, read by
-SiLU * mul, which writes I, read by down), or for a MoE layer 6 I_e / tp_e + 4 h per routed row
-(the expert MLP and the row's permute in and out) and 6 I_s / tp per token for a shared expert;
-at the activation dtype, at the weights' memory rate, not overlapped with the GEMMs (separate
-kernels), times eff.activation_traffic (0 in a CPU calibration, whose per-token host term
-carries this work). Launches and sampling are left to the host overhead,
+Activation traffic (activation_traffic.py: the elementwise kernels and the GEMMs' activation
+reads and writes, per token and routed row) adds to each stage at the weights' memory rate, times
+eff.activation_traffic. Launches and sampling are left to the host overhead,
 `step_overhead_s + seq_overhead_s * N + token_overhead_s * T` for a step of N sequences and T new
 tokens (the whole step's, not per micro-batch: the host prepares and samples the step once).
 Uncalibrated factors are guesses (see Efficiency).
@@ -61,6 +52,7 @@ from shardserve.dtypes import dtype_bytes_of, kv_bytes_of
 from shardserve.param_counts import (
     attention_params, dense_mlp_params, expert_params, o_params, qkv_params, router_params,
 )
+from shardserve.planner.activation_traffic import activation_elements
 from shardserve.planner.batch_load import BatchLoad, BatchSummary, num_attended_pairs, step_loads
 from shardserve.planner.collectives import all_gather_time_s, all_to_all_time_s, p2p_time_s, ring_allreduce_time_s
 from shardserve.planner.efficiency import Efficiency
@@ -307,7 +299,7 @@ class _StageWork:
     attention_flops: float
     kv_bytes: float
     decode_attention_flops: float  # the part of attention_flops from decode tokens
-    activation_traffic_bytes: float = 0.0  # see the module docstring
+    activation_traffic_bytes: float = 0.0  # activation_traffic.py
 
 
 def _stage_work(dep: Deployment, stage: StagePlan, load: BatchLoad, local: BatchLoad) -> _StageWork:
@@ -341,28 +333,7 @@ def _stage_work(dep: Deployment, stage: StagePlan, load: BatchLoad, local: Batch
     kv_token_bytes = stage_kv_bytes_per_token(model, tp, stage, dep.kv_bytes)
     return _StageWork(gemm_flops, read_params * dep.weight_bytes, attention_flops,
                       local.num_context_tokens * kv_token_bytes, decode_attention_flops,
-                      _activation_elements(model, par, stage, local.num_tokens, routed_rows) * dep.activation_bytes)
-
-
-# Activation elements per layer a kernel reads or writes, per token or routed row (module docstring)
-RESIDUAL_PASSES = 12  # x h, per token
-MLP_PASSES = 6  # x the MLP's intermediate size on this rank, per token (dense) or routed row
-PERMUTE_PASSES = 4  # x h, per routed row
-
-
-def _activation_elements(model: ModelConfig, par: ParallelConfig, stage: StagePlan, local_tokens: float,
-                         routed_rows: float) -> float:
-    """Activation elements the stage's kernels stream through memory on one rank: `local_tokens`
-    (the busiest attention group's) through the residual stream, dense MLPs and shared experts,
-    `routed_rows` (the busiest expert rank's) through the routed experts."""
-    tp, ep, h = par.tp_size, par.ep_size, model.hidden_size
-    elements = RESIDUAL_PASSES * h * local_tokens * stage.num_layers
-    elements += MLP_PASSES * model.intermediate_size / tp * local_tokens * stage.num_dense_layers
-    if stage.num_moe_layers:
-        per_row = MLP_PASSES * model.moe_intermediate_size / (tp if ep == 1 else 1) + PERMUTE_PASSES * h
-        shared = MLP_PASSES * model.shared_expert_intermediate_size / tp * local_tokens
-        elements += stage.num_moe_layers * (routed_rows * per_row + shared)
-    return elements
+                      activation_elements(model, par, stage, local.num_tokens, routed_rows) * dep.activation_bytes)
 
 
 def _stage_parts(dep: Deployment, stage: StagePlan, index: int, load: BatchLoad, local: BatchLoad) -> _StageParts:

@@ -212,7 +212,7 @@ def test_step_time_rule_and_batch_forms_agree():
     # * 16 * 2 (K, V) * 2 bytes
     weight_read_bytes = (2 * 18_432 + 12_288) * 2
     kv_read_bytes = (48 + 300) * (2 * 2 * 1 * 16 * 2)
-    activation_bytes = 19 * 2 * (12 * 64 + 6 * 128 // 2) * 2  # 19 tokens, 2 layers (module docstring)
+    activation_bytes = 19 * 2 * (12 * 64 + 6 * 128 // 2) * 2  # 19 tokens, 2 layers (activation_traffic.py)
     assert a.memory_s == pytest.approx((weight_read_bytes + kv_read_bytes + activation_bytes) / H100_BW)
     # total = max(gemm, weights) + max(attention, kv) + comm + overhead; tiny shapes are memory-bound
     assert a.total_s == pytest.approx(a.memory_s + a.comm_s + a.overhead_s)
