@@ -198,7 +198,8 @@ def expressible(row: dict, catalog) -> tuple[Case | None, str]:
 
 
 def num_requests(row: dict) -> int | None:
-    """The requests an offline row's run served, per replica share as the source states them."""
+    """How many requests an offline row's run served in all (its source's $num_requests; the
+    replicas share them); None where the source states none."""
     if row["id"].startswith("trtllm014-online"):
         return ONLINE_V014_REQUESTS
     table = next((t for prefix, t in NUM_REQUESTS.items() if row["id"].startswith(prefix + "-")), {})

@@ -91,9 +91,9 @@ class Efficiency:
     `kv_memory` is the memory factor of KV-cache reads: paged, per-sequence and scattered in
     pages, they stream at another rate than the weights' long contiguous reads; None uses
     `memory`.
-    `activation_traffic` scales the cost model's activation traffic (the kernels between the
-    GEMMs streaming each token's activations through device memory, cost_model): 1 for a GPU,
-    whose batches' activations outgrow its cache; 0 in a calibration fitted with a per-token
+    `activation_traffic` scales the cost model's activation traffic (activation_traffic.py: the
+    kernels between the GEMMs streaming each token's activations through device memory): 1 for a
+    GPU, whose batches' activations outgrow its cache; 0 in a calibration fitted with a per-token
     host term, which already carries that elementwise work (a CPU's activations mostly stay in
     its caches)."""
 

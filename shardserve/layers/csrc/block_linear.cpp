@@ -277,10 +277,10 @@ inline void group_tile(const Rows& x, int64_t n0, const uint8_t* wg, float* out)
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2 (CPUs without AVX512-VNNI: no AVX-512 at all, or Skylake's without VNNI): a block's 16
-// rows as two halves of 8 lanes, one pass over the group each. vpmaddubsw multiplies unsigned by signed bytes into int16 pairs, exact here: the
-// 4-bit quants (0..15) by xq sum to at most 3,810 a pair, four registers' pairs to 15,240; Q6_K's
-// (0..63) to 16,002 a pair, widened at once; Q8_0 enters signed (its stored q + 128 back to q)
-// as |q| times xq with q's sign, at most 32,258 a pair. So each block dot is the exact int32 the
+// rows as two halves of 8 lanes, one pass over the group each. vpmaddubsw multiplies unsigned by
+// signed bytes into int16 pairs, exact here: the 4-bit quants (0..15) by xq sum to at most 3,810
+// a pair, four registers' pairs to 15,240; Q6_K's (0..63) to 16,002 a pair, widened at once; Q8_0
+// enters signed (its stored q + 128 back to q) as |q| times xq with q's sign, at most 32,258 a pair. So each block dot is the exact int32 the
 // VNNI path forms (Q8_0 without the 128 sx it takes off), and the float operations are its own,
 // lane by lane: the same bits.
 inline __m256 load_halves8(const uint8_t* p) {
@@ -300,7 +300,8 @@ inline const uint8_t* block_vectors8(const uint8_t* wg, int64_t b, int h, __m256
   d = load_halves8(parts.d + 16 * h);
   if constexpr (F == kQ4_1) m = load_halves8(parts.m + 16 * h);
   if constexpr (F == kQ4_K) {
-    m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(load_halves8(parts.m + 16 * h), load_bytes8(parts.scales + 16 + 8 * h)));
+    m = _mm256_sub_ps(_mm256_setzero_ps(),
+                      _mm256_mul_ps(load_halves8(parts.m + 16 * h), load_bytes8(parts.scales + 16 + 8 * h)));
     d = _mm256_mul_ps(d, load_bytes8(parts.scales + 8 * h));
   }
   if constexpr (F == kQ6_K) {
